@@ -1,0 +1,34 @@
+"""The devices a plan places work on: GPUs and the host, with the figures the speed model needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: Literal["gpu", "cpu"]
+    total_bytes: int
+    free_bytes: int                # what a plan may use before the margin
+    memory_bandwidth: float        # bytes/s a decode step really reads at (not the datasheet peak)
+    compute_flops: float           # matmul flop/s in the compute dtype, achievable
+    link_bandwidth: float = 0.0    # host <-> device bytes/s (PCIe); 0 for the host
+    link_latency_s: float = 10e-6  # per transfer across the link
+    layer_overhead_s: float = 0.0  # fixed cost per layer per forward (kernel launches, dispatch)
+    source: str = "preset"         # where the figures come from: nvml, torch, preset, --vram, psutil, measured
+    index: int | None = None       # the CUDA device index, for GPUs found on this machine
+
+    def with_free(self, free_bytes: int) -> "Device":
+        return replace(self, free_bytes=free_bytes, total_bytes=max(self.total_bytes, free_bytes))
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The devices of one machine: GPUs in the order layers flow through them, then the host."""
+    gpus: tuple[Device, ...]
+    host: Device
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return (*self.gpus, self.host)

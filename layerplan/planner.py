@@ -1,0 +1,187 @@
+"""The planner: choose n_gpu_layers for a model on a machine, or check the user's pins, and say why.
+
+`--gpu-layers auto` evaluates every n_gpu_layers from 0 to n_layers + 1, keeps those whose
+predicted peak fits every device's budget (free memory minus the margin), and takes the one
+with the best predicted decode speed at the requested context x parallel (on a near tie,
+within TIE, the one with more layers on the GPU). It does not maximize bytes on the GPU: the
+KV cache lives with its layer, so each offloaded layer brings its share of the cache along.
+Pins (n_gpu_layers, n_ctx, kv_type, n_parallel) are never changed; a pin that cannot fit
+gives a plan with fits=False and one sentence naming what to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layerplan.devices import Machine
+from layerplan.explain import explain_auto, explain_pinned, explain_unfit
+from layerplan.kv_cache import kv_bytes_per_token
+from layerplan.model_profile import ModelProfile
+from layerplan.placement import DeviceUsage, LayerSizes, Placement, place
+from layerplan.settings import DEFAULT_CTX, DEFAULT_MARGIN, DEFAULT_PROMPT_TOKENS, DEFAULT_UBATCH, PlanSettings
+from layerplan.speed import Predicted, predict
+
+TIE = 0.01            # decode speeds this close count as equal; the plan with more GPU layers wins
+MIN_AUTO_CTX = 256    # an unpinned context is halved down to this when the default does not fit
+
+
+class PlanError(ValueError):
+    """A request no plan can answer (layers pinned to a GPU on a machine without one, bad values)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    placement: Placement
+    predicted: Predicted
+
+    @property
+    def n_gpu_layers(self) -> int:
+        return self.placement.n_gpu_layers
+
+    @property
+    def fits(self) -> bool:
+        return self.placement.fits
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    n_gpu_layers: int
+    fits: bool             # at the requested context and parallel
+    decode_tok_s: float    # predicted at the requested context and parallel
+    max_ctx: int           # the largest context per sequence that fits at this n_gpu_layers (0: none),
+                           # at most the model's trained context
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile: ModelProfile
+    machine: Machine
+    settings: PlanSettings
+    placement: Placement
+    predicted: Predicted
+    fits: bool
+    reasons: tuple[str, ...]
+    sweep: tuple[SweepRow, ...]
+    auto: bool             # n_gpu_layers was chosen by the planner, not pinned
+
+    @property
+    def n_gpu_layers(self) -> int:
+        return self.placement.n_gpu_layers
+
+    @property
+    def n_layers(self) -> int:
+        return self.profile.n_layers
+
+    @property
+    def usage(self) -> tuple[DeviceUsage, ...]:
+        return self.placement.usage
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers at the plan's KV type."""
+        return kv_bytes_per_token(self.profile, self.settings.kv)
+
+    def kv_budget_bytes(self) -> tuple[int, ...]:
+        """Per device (machine order), the bytes a KV cache may take there: what the plan puts
+        there plus the headroom left, for devices that hold KV cache; 0 elsewhere."""
+        return tuple(u.kv_bytes + max(0, u.headroom_bytes) if u.kv_bytes else 0 for u in self.usage)
+
+
+def candidates(profile: ModelProfile, machine: Machine, settings: PlanSettings,
+               prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> list[Candidate]:
+    """Every n_gpu_layers this machine allows (0 only, without a GPU), placed and predicted."""
+    sizes = LayerSizes(profile, settings)
+    top = profile.n_layers + 1 if machine.gpus else 0
+    result = []
+    for n_gpu_layers in range(top + 1):
+        placement = place(profile, machine, settings, n_gpu_layers, sizes)
+        result.append(Candidate(placement, predict(profile, machine, placement, settings, prompt_tokens=prompt_tokens)))
+    return result
+
+
+def best_candidate(cands: list[Candidate]) -> Candidate | None:
+    """The fitting candidate with the best decode speed (more GPU layers on a near tie); None if none fits."""
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        return None
+    best = max(c.predicted.decode_tok_s for c in fitting)
+    return max((c for c in fitting if c.predicted.decode_tok_s >= best * (1 - TIE)), key=lambda c: c.n_gpu_layers)
+
+
+def max_context(profile: ModelProfile, machine: Machine, settings: PlanSettings, n_gpu_layers: int,
+                limit: int | None = None) -> int:
+    """The largest context per sequence (at most `limit`, default the trained context) that fits
+    with `n_gpu_layers` at the other settings; 0 when not even one token does."""
+    limit = limit or profile.n_ctx_train
+
+    def fits(n_ctx: int) -> bool:
+        trial = PlanSettings(**{**settings.__dict__, "n_ctx": n_ctx})
+        return place(profile, machine, trial, n_gpu_layers).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def sweep(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands: list[Candidate]) -> tuple[SweepRow, ...]:
+    return tuple(SweepRow(c.n_gpu_layers, c.fits, c.predicted.decode_tok_s,
+                          max_context(profile, machine, settings, c.n_gpu_layers)) for c in cands)
+
+
+def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n_parallel: int = 1,
+         kv_type: str = "f16", n_ubatch: int = DEFAULT_UBATCH, margin_bytes: int = DEFAULT_MARGIN,
+         n_gpu_layers: int | None = None, kv_offload: bool = True, flash_attention: bool = True,
+         prompt_tokens: int = DEFAULT_PROMPT_TOKENS, with_sweep: bool = True) -> Plan:
+    """Plan `profile` on `machine`. None for n_ctx or n_gpu_layers means: the planner chooses.
+
+    n_ctx is per sequence (n_parallel sequences each get n_ctx tokens of KV cache). The
+    unpinned context is min(trained context, 4096), halved while nothing fits.
+    """
+    n = profile.n_layers
+    notes = []
+    if n_gpu_layers is not None:
+        if n_gpu_layers < 0:
+            raise PlanError("--gpu-layers must be 'auto' or a number from 0 up")
+        if n_gpu_layers > n + 1:
+            notes.append(f"--gpu-layers {n_gpu_layers} means all: {n + 1} ({n} layers and the output head).")
+            n_gpu_layers = n + 1
+        if n_gpu_layers and not machine.gpus:
+            raise PlanError(f"--gpu-layers {n_gpu_layers} needs a GPU and none was found; pass --vram 24GiB or "
+                            "--gpu rtx4090 to plan for one, or use --gpu-layers 0")
+    try:
+        settings = PlanSettings(n_ctx=n_ctx or min(profile.n_ctx_train, DEFAULT_CTX), n_parallel=n_parallel,
+                                kv_type=kv_type, n_ubatch=n_ubatch, margin_bytes=margin_bytes,
+                                kv_offload=kv_offload, flash_attention=flash_attention)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    if n_ctx and n_ctx > profile.n_ctx_train:
+        notes.append(f"--ctx {n_ctx} is beyond the {profile.n_ctx_train} tokens the model was trained for; "
+                     "quality may drop past that.")
+
+    cands = candidates(profile, machine, settings, prompt_tokens)
+    if n_gpu_layers is None and n_ctx is None:
+        requested = settings.n_ctx
+        while best_candidate(cands) is None and settings.n_ctx > MIN_AUTO_CTX:
+            settings = PlanSettings(**{**settings.__dict__, "n_ctx": max(MIN_AUTO_CTX, settings.n_ctx // 2)})
+            cands = candidates(profile, machine, settings, prompt_tokens)
+        if settings.n_ctx != requested and best_candidate(cands):
+            notes.append(f"The context was lowered from {requested} to {settings.n_ctx} tokens so that the KV "
+                         "cache fits; pass --ctx to choose it.")
+
+    chosen = cands[n_gpu_layers] if n_gpu_layers is not None else best_candidate(cands)
+    if chosen is None:  # nothing fits: show the plan with the most on the GPU, and say what to change
+        chosen = max(cands, key=lambda c: (c.placement.host.headroom_bytes >= 0, c.n_gpu_layers)
+                     if False else c.n_gpu_layers)
+        reasons = explain_unfit(profile, machine, settings, cands)
+    elif n_gpu_layers is not None:
+        reasons = explain_pinned(profile, machine, settings, cands, chosen, best_candidate(cands))
+    else:
+        reasons = explain_auto(profile, machine, settings, cands, chosen)
+    if n_gpu_layers is not None and not chosen.fits and best_candidate(cands) is None:
+        reasons = explain_unfit(profile, machine, settings, cands, pinned=chosen)
+    return Plan(profile, machine, settings, chosen.placement, chosen.predicted, chosen.fits,
+                tuple(notes + reasons), sweep(profile, machine, settings, cands) if with_sweep else (),
+                auto=n_gpu_layers is None)

@@ -1,0 +1,144 @@
+"""Roofline speed model: predicted decode tok/s, prefill tok/s and time to first token of a placement.
+
+Each layer costs max(bytes read / its device's bandwidth, flops / its device's compute) for
+its matmuls, the same again for its attention over the KV cache (on the device that holds
+that cache), plus a fixed per-layer overhead. Each time the activations cross between devices
+they pay the link's latency and bytes / link bandwidth. Decode reads every weight once per
+step for all n_parallel sequences together; prefill reads them once per ubatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layerplan.devices import Device, Machine
+from layerplan.kv_cache import layer_kv_bytes_per_token
+from layerplan.model_profile import LayerProfile, ModelProfile
+from layerplan.placement import Placement
+from layerplan.settings import PlanSettings
+
+F32 = 4
+OP_OFFLOAD_MIN_BATCH = 32  # llama.cpp runs host-resident matmuls of a batch this big on the GPU
+
+
+@dataclass(frozen=True)
+class Predicted:
+    decode_tok_s: float          # tokens/s each sequence sees while n_parallel sequences decode together
+    decode_tok_s_total: float    # tokens/s summed over the n_parallel sequences
+    prefill_tok_s: float         # prompt tokens/s of one prompt of prompt_tokens
+    ttft_s: float                # time to first token of that prompt, on an idle runner
+    prompt_tokens: int
+    decode_context: int          # tokens already in each sequence's cache at the decode figure
+    decode_s_by_device: tuple[float, ...]  # one decode step's time spent on each device (machine order)
+
+
+def _roofline(device: Device, n_bytes: float, flops: float) -> float:
+    return max(n_bytes / device.memory_bandwidth, flops / device.compute_flops)
+
+
+def _active_fraction(profile: ModelProfile, n_tokens: int) -> float:
+    """Share of a MoE layer's experts that n_tokens tokens touch (all of them for a dense model)."""
+    if not profile.n_expert or not profile.n_expert_used:
+        return 1.0
+    return 1.0 - (1.0 - profile.n_expert_used / profile.n_expert) ** n_tokens
+
+
+def _matmul(profile: ModelProfile, layer: LayerProfile, n_tokens: int) -> tuple[float, float]:
+    """(weight bytes read, flops) of one layer's matmuls for n_tokens tokens."""
+    dense_bytes = layer.weight_bytes - layer.expert_bytes
+    n_bytes = dense_bytes + layer.expert_bytes * _active_fraction(profile, n_tokens)
+    used = profile.n_expert_used / profile.n_expert if profile.n_expert else 1.0
+    flops = 2 * n_tokens * (layer.params - layer.expert_params + layer.expert_params * used)
+    return n_bytes, flops
+
+
+def _attention(layer: LayerProfile, kv_bytes_per_token: float, n_queries: int, n_cached: float,
+               n_sequences: int) -> tuple[float, float]:
+    """(KV bytes read and written, flops) of attention: n_queries new tokens per sequence against
+    n_cached cached tokens (the mean over the new tokens, for causal prefill)."""
+    if not layer.n_kv_head:
+        return 0.0, 0.0
+    seen = min(n_cached, layer.sliding_window) if layer.sliding_window else n_cached
+    n_bytes = kv_bytes_per_token * n_sequences * (seen + n_queries)
+    flops = 2 * n_sequences * n_queries * seen * layer.n_head * (layer.head_dim_k + layer.head_dim_v)
+    return n_bytes, flops
+
+
+def _link(a: Device, b: Device) -> Device:
+    """The device whose host link a transfer between a and b goes over (the slower GPU side)."""
+    gpus = [d for d in (a, b) if d.kind == "gpu"]
+    return min(gpus, key=lambda d: d.link_bandwidth) if gpus else a
+
+
+def _transfer_s(a: Device, b: Device, n_bytes: float) -> float:
+    if a is b:
+        return 0.0
+    link = _link(a, b)
+    return link.link_latency_s + n_bytes / link.link_bandwidth if link.link_bandwidth else 0.0
+
+
+class _Step:
+    """Time of one forward step (n_queries new tokens for each of n_sequences) over a placement."""
+
+    def __init__(self, profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings):
+        self.profile, self.placement, self.settings = profile, placement, settings
+        self.devices = machine.devices
+        self.kv_per_token = [layer_kv_bytes_per_token(layer, settings.kv) for layer in profile.layers]
+        self.op_offload_gpu = machine.gpus[0] if machine.gpus else None
+
+    def seconds(self, n_queries: int, n_cached: float, n_sequences: int, n_logits: int) -> tuple[float, list[float]]:
+        profile, placement, devices = self.profile, self.placement, self.devices
+        n_tokens = n_queries * n_sequences
+        per_device = [0.0] * len(devices)
+        host = devices[-1]
+        previous = host  # the token embedding lookup runs in host memory
+        for il, layer in enumerate(profile.layers):
+            device, kv_device = devices[placement.layer_devices[il]], devices[placement.kv_devices[il]]
+            per_device[placement.layer_devices[il]] += _transfer_s(previous, device, n_tokens * profile.d_model * F32)
+            w_bytes, w_flops = _matmul(profile, layer, n_tokens)
+            matmul_s = _roofline(device, w_bytes, w_flops)
+            if device.kind == "cpu" and self.op_offload_gpu and n_tokens >= OP_OFFLOAD_MIN_BATCH:
+                gpu = self.op_offload_gpu  # stream the weights over PCIe and multiply on the GPU
+                matmul_s = min(matmul_s, w_bytes / gpu.link_bandwidth + w_flops / gpu.compute_flops)
+            a_bytes, a_flops = _attention(layer, self.kv_per_token[il], n_queries, n_cached, n_sequences)
+            attention_s = _roofline(kv_device, a_bytes, a_flops)
+            if kv_device is not device:  # q, k, v out to the cache's device and the result back
+                q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
+                attention_s += 2 * _transfer_s(device, kv_device, n_tokens * q_kv_dims * F32)
+            per_device[placement.layer_devices[il]] += matmul_s + device.layer_overhead_s
+            per_device[placement.kv_devices[il]] += attention_s
+            previous = device
+        if n_logits:  # the output head runs only for the positions whose logits are wanted
+            head = devices[placement.head_device]
+            per_device[placement.head_device] += (
+                _transfer_s(previous, head, n_logits * profile.d_model * F32)
+                + _roofline(head, profile.head_bytes, 2 * n_logits * profile.head_params)
+                + _transfer_s(head, host, n_logits * profile.n_vocab * F32))
+        else:
+            per_device[-1] += _transfer_s(previous, host, 0)
+        return sum(per_device), per_device
+
+
+def predict(profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings, *,
+            prompt_tokens: int = 512, decode_context: int | None = None) -> Predicted:
+    """Predicted speeds of `placement`. Decode is for n_parallel sequences each holding
+    `decode_context` tokens (default: half the context, the mean over filling it); prefill and
+    TTFT are for one prompt of `prompt_tokens` on an otherwise idle runner."""
+    step = _Step(profile, machine, placement, settings)
+    n_seq = settings.n_parallel
+    decode_context = settings.n_ctx // 2 if decode_context is None else decode_context
+    decode_s, by_device = step.seconds(1, decode_context, n_seq, n_logits=n_seq)
+
+    prompt_tokens = max(1, min(prompt_tokens, settings.n_ctx))
+    prefill_s, done = 0.0, 0
+    while done < prompt_tokens:
+        chunk = min(settings.n_ubatch, prompt_tokens - done)
+        last = done + chunk == prompt_tokens
+        seconds, _ = step.seconds(chunk, done + chunk / 2, 1, n_logits=1 if last else 0)
+        prefill_s += seconds
+        done += chunk
+    return Predicted(
+        decode_tok_s=1.0 / decode_s, decode_tok_s_total=n_seq / decode_s,
+        prefill_tok_s=prompt_tokens / prefill_s, ttft_s=prefill_s,
+        prompt_tokens=prompt_tokens, decode_context=decode_context,
+        decode_s_by_device=tuple(by_device),
+    )

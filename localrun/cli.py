@@ -1,0 +1,213 @@
+"""The `localrun` command line (typer + rich). Thin: parse, call the API, render.
+
+Torch is imported only by commands that run a model, so `plan`, `pull`, `models` and `info`
+start fast."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from localrun.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  help="Run GGUF language models locally: chat, generate, serve, plan.")
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+ModelArg = typer.Argument(None, help="A .gguf path or a catalog name (default: smollm2-135m).")
+CtxOpt = typer.Option(None, "--ctx", "-c", help="Context size in tokens (default: min(trained, 4096)).")
+ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: physical cores).")
+
+
+def _load(model, ctx, threads):
+    from localrun.api import LLM
+    with err.status("loading model..."):
+        return LLM(model, n_ctx=ctx, n_threads=threads)
+
+
+def _stats_line(t: dict) -> str:
+    cached = f", {t['cached_tokens']} cached" if t["cached_tokens"] else ""
+    return (f"ttft {t['ttft_s'] * 1000:.0f} ms · {t['decode_tok_s']:.1f} tok/s · "
+            f"prompt {t['prompt_tokens']} tokens{cached} · reply {t['generated_tokens']} tokens")
+
+
+@app.command()
+def chat(model: Optional[str] = ModelArg,
+         system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt."),
+         temperature: float = typer.Option(0.7, "--temperature", "--temp"),
+         max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
+         seed: Optional[int] = typer.Option(None, "--seed"),
+         ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt):
+    """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply."""
+    llm = _load(model, ctx, threads)
+    base = [{"role": "system", "content": system}] if system else []
+    history = list(base)
+    last = None
+    err.print(f"[dim]{llm.config.name} · {llm.model_path.name} · ctx {llm.n_ctx} · "
+              f"{llm.n_threads} threads · loaded in {llm.load_s:.1f}s. /exit to quit, /reset, /stats.[/dim]")
+    while True:
+        try:
+            line = out.input("[bold green]> [/bold green]")
+        except (EOFError, KeyboardInterrupt):
+            out.print()
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            return
+        if text == "/reset":
+            history = list(base)
+            out.print("[dim]history cleared[/dim]")
+            continue
+        if text == "/stats":
+            out.print(json.dumps(last, indent=2) if last else "[dim]no reply yet[/dim]")
+            continue
+        if text.startswith("/"):
+            out.print(f"[dim]unknown command {text}; use /reset, /stats or /exit[/dim]")
+            continue
+        history.append({"role": "user", "content": text})
+        reply = []
+        try:
+            for piece in llm.chat(history, stream=True, temperature=temperature,
+                                  max_tokens=max_tokens, seed=seed):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            last = llm.last_result.timings
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            err.print("[dim](stopped)[/dim]")
+            last = None
+        except UserError as e:        # e.g. the conversation outgrew the context
+            history.pop()
+            err.print(f"[red]{e}[/red]")
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if last:
+            err.print(f"[dim]{_stats_line(last)}[/dim]")
+
+
+@app.command()
+def generate(model: Optional[str] = ModelArg,
+             prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+             max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
+             temperature: float = typer.Option(0.8, "--temperature", "--temp"),
+             top_k: int = typer.Option(40, "--top-k"),
+             top_p: float = typer.Option(0.95, "--top-p"),
+             min_p: float = typer.Option(0.05, "--min-p"),
+             repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
+             seed: Optional[int] = typer.Option(None, "--seed"),
+             stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+             ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+             as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+             ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt):
+    """One-shot completion of a prompt."""
+    llm = _load(model, ctx, threads)
+    opts = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)
+    if as_json:
+        r = llm.generate(prompt, **opts)
+        out.print_json(json.dumps({"text": r.text, "token_ids": r.token_ids,
+                                   "finish_reason": r.finish_reason, "timings": r.timings}))
+        return
+    for piece in llm.stream(prompt, **opts):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    err.print(f"[dim]{_stats_line(llm.last_result.timings)} · finish {llm.last_result.finish_reason}[/dim]")
+
+
+@app.command()
+def info(model: Optional[str] = ModelArg,
+         as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """Architecture, shapes and tensor types of a model (from its header; no weights read)."""
+    from collections import Counter
+
+    from gguf import GGMLQuantizationType as QT
+
+    from localrun.gguf_file import open_gguf
+    from localrun.models import resolve_model
+    f = open_gguf(resolve_model(model))
+    c = f.config
+    n_bytes, n_tensors = Counter(), Counter()
+    for t in f.tensors.values():
+        n_bytes[QT(t.type_id).name] += t.n_bytes
+        n_tensors[QT(t.type_id).name] += 1
+    fields = {"file": str(f.path), "file_bytes": f.header.file_bytes, "name": c.name,
+              "architecture": c.architecture, "n_layers": c.n_layers, "n_embd": c.n_embd,
+              "n_head": c.n_head, "n_head_kv": c.n_head_kv, "head_dim": c.head_dim, "n_ff": c.n_ff,
+              "context_length": c.context_length, "n_vocab": c.n_vocab, "rope_base": c.rope_base,
+              "rope_scaling": c.rope_scaling_type, "tied_output": c.tied_output,
+              "tensor_types": {k: {"tensors": n_tensors[k], "bytes": n_bytes[k]} for k in n_bytes}}
+    if as_json:
+        out.print_json(json.dumps(fields))
+        return
+    table = Table(title=f"{c.name}  ({f.path.name})", show_header=False)
+    for k, v in fields.items():
+        if k != "tensor_types":
+            table.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+    out.print(table)
+    types = Table("type", "tensors", "bytes", title="tensor types")
+    for k in sorted(n_bytes, key=n_bytes.get, reverse=True):
+        types.add_row(k, str(n_tensors[k]), f"{n_bytes[k]:,}")
+    out.print(types)
+
+
+@app.command()
+def pull(name: str = typer.Argument(..., help="Catalog name, e.g. smollm2-135m.")):
+    """Fetch a catalog model into $LOCALRUN_HOME/models, verify it; print its path last."""
+    from localrun.models import pull as pull_model
+    path = pull_model(name)
+    print(path)
+
+
+@app.command()
+def models():
+    """List the catalog and the models in the local cache."""
+    from localrun.models import catalog, is_verified, list_cached, models_dir
+    table = Table("name", "description", "cached", title="catalog")
+    for entry in catalog().values():
+        table.add_row(entry.name, entry.description, "yes" if is_verified(entry) else "no")
+    out.print(table)
+    cached = list_cached()
+    if not cached:
+        out.print(f"[dim]no models in {models_dir()} yet; `localrun pull NAME` fetches one[/dim]")
+        return
+    files = Table("name", "path", "size", title=f"cached in {models_dir()}")
+    for name, path, size in cached:
+        files.add_row(name, str(path), f"{size / 2**20:,.1f} MiB")
+    out.print(files)
+
+
+def _register_optional_commands():
+    """Commands that live in their own modules (added by later issues)."""
+    try:
+        from localrun.cli_plan import plan
+    except ImportError:
+        return
+    app.command("plan")(plan)
+
+
+_register_optional_commands()
+
+
+def main():
+    try:
+        app()
+    except UserError as e:
+        err.print(f"[red]error:[/red] {e}", soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

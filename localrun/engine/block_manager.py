@@ -1,0 +1,272 @@
+"""KV cache memory in fixed-size blocks, with automatic prefix caching.
+
+Each sequence owns a block table (logical block i -> physical block id); token at position
+p lives in slot `block_table[p // block_size] * block_size + p % block_size`. Blocks are
+reference counted, so sequences with a common prefix share its blocks.
+
+Prefix caching: once every token of a full block is computed, the block is registered
+under a chained hash (the previous block's hash + this block's token ids). A new sequence
+reuses the longest run of registered blocks matching its prefix (a hit is confirmed by
+comparing token ids). Blocks nobody references but still registered stay reusable until
+they are evicted, least recently freed first. A sequence's last token is never served
+from the cache: the model has to compute it to produce the next token's logits.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from localrun.engine.sequence import Sequence
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       bytes_per_element: float) -> int:
+    """Bytes of K and V that one token occupies over all layers."""
+    return math.ceil(2 * num_layers * num_kv_heads * head_dim * bytes_per_element)
+
+
+def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_token: int, block_size: int = 16) -> int:
+    """How many whole blocks fit in a KV byte budget."""
+    return kv_budget_bytes // (bytes_per_token * block_size)
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """Stable chained hash of a full block: blake2b(parent hash + little-endian int64 ids)."""
+    data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.blake2b(parent_hash + data, digest_size=16).digest()
+
+
+def slot_mapping(block_table: list[int], block_size: int, start: int, num_tokens: int) -> list[int]:
+    """Physical KV slot of each token at positions start .. start + num_tokens - 1."""
+    return [block_table[p // block_size] * block_size + p % block_size
+            for p in range(start, start + num_tokens)]
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None   # set while the block is registered in the prefix cache
+    token_ids: tuple[int, ...] = ()   # the registered content, to confirm a hash hit
+
+
+@dataclass
+class PrefixCacheStats:
+    num_queries: int = 0        # admissions that looked the prefix up
+    num_query_tokens: int = 0   # tokens those sequences held
+    num_hit_tokens: int = 0     # tokens served from the cache
+    num_hits: int = 0           # blocks served from the cache
+    num_misses: int = 0         # full blocks looked up and not found
+    num_evictions: int = 0      # registered blocks reused for other content
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class BlockManager:
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 hash_seed: bytes = b""):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed    # root of every hash chain: namespaces model / kv_type
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))       # unregistered, ref 0
+        self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # registered, ref 0, LRU first
+        self.cached_block_ids: dict[bytes, int] = {}                      # hash -> registered block
+        self.stats = PrefixCacheStats()
+
+    # --- counters -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (never used, or cached and unreferenced)."""
+        return len(self.free_block_ids) + len(self.evictable_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, referenced or not."""
+        return len(self.cached_block_ids)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self.evictable_block_ids)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix lookup --------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of seq's first num_blocks full blocks (memoized on seq)."""
+        bs, hashes = self.block_size, seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else self.hash_seed
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def _find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Registered blocks holding seq's longest cached prefix, excluding its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, found = self.block_size, []
+        for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
+            block_id = self.cached_block_ids.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break
+            found.append(block_id)
+        return found
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens an allocation of seq would take from the prefix cache now (no side effects)."""
+        return len(self._find_cached_blocks(seq)) * self.block_size
+
+    # --- block pool -----------------------------------------------------------------
+    def _take_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            assert block.block_hash is not None, "only registered blocks are taken by id"
+            del self.evictable_block_ids[block_id]
+        block.ref_count += 1
+
+    def _allocate_block(self) -> int:
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:
+            block_id, _ = self.evictable_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached_block_ids[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+            self.stats.num_evictions += 1
+        block = self.blocks[block_id]
+        assert block.ref_count == 0 and block.block_hash is None
+        block.ref_count = 1
+        return block_id
+
+    def _release_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self.free_block_ids.append(block_id)
+            else:
+                self.evictable_block_ids[block_id] = None   # most recently freed last
+
+    # --- paired verbs -----------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Can seq be admitted: its cached prefix plus num_new_tokens more tokens?"""
+        cached = self._find_cached_blocks(seq)
+        num_needed = self.num_blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        num_revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return num_needed <= self.num_free_blocks - num_revived
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Admit seq: share its cached prefix blocks, then add slots for num_new_tokens tokens."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, "sequence already holds blocks"
+        cached = self._find_cached_blocks(seq)
+        for block_id in cached:
+            self._take_block(block_id)
+        seq.block_table = list(cached)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.stats.num_queries += 1
+            self.stats.num_query_tokens += seq.num_tokens
+            self.stats.num_hit_tokens += seq.num_cached_tokens
+            self.stats.num_hits += len(cached)
+            self.stats.num_misses += (seq.num_tokens - 1) // self.block_size - len(cached)
+        self.append_slots(seq, num_new_tokens)
+
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        """Are there blocks for num_new_tokens tokens past seq's computed ones?"""
+        num_needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return num_needed <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        """Grow seq's block table to hold num_new_tokens tokens past its computed ones."""
+        num_needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        assert num_needed <= self.num_free_blocks, "call can_append_slots first"
+        for _ in range(num_needed):
+            seq.block_table.append(self._allocate_block())
+
+    def num_appendable_tokens(self, seq: Sequence) -> int:
+        """The most tokens append_slots can take for seq now."""
+        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop seq's blocks (its computed K/V). Registered blocks stay cached until evicted."""
+        for block_id in reversed(seq.block_table):   # tail first: evicted before the shared head
+            self._release_block(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's fully computed blocks in the prefix cache (prompt and generated)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, seq.block_table
+        num_full = seq.num_computed_tokens // bs
+        first = num_full                        # registered blocks form a prefix of the table
+        while first > 0 and self.blocks[table[first - 1]].block_hash is None:
+            first -= 1
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(first, num_full):
+            token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            existing = self.cached_block_ids.get(hashes[i])
+            if existing is not None:            # same content computed twice: share the cached one
+                if self.blocks[existing].token_ids != token_ids:
+                    continue                    # a hash collision: keep ours, unregistered
+                self._take_block(existing)
+                self._release_block(table[i])
+                table[i] = existing
+                continue
+            block = self.blocks[table[i]]
+            assert block.ref_count == 1, "an unregistered block belongs to one sequence"
+            block.block_hash, block.token_ids = hashes[i], token_ids
+            self.cached_block_ids[hashes[i]] = table[i]
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Remove seq's last num_tokens tokens (rejected drafts) and free the slots past its end.
+
+        rollback(seq, 0) only frees slots reserved past the last token. Call it before
+        cache_full_blocks sees the rejected tokens as computed.
+        """
+        assert 0 <= num_tokens <= seq.num_generated_tokens, "only generated tokens roll back"
+        bs, num_kept = self.block_size, seq.num_tokens - num_tokens
+        del seq.token_ids[num_kept:]
+        del seq.block_hashes[num_kept // bs:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_kept)
+        seq.num_cached_tokens = min(seq.num_cached_tokens, num_kept)
+        num_blocks_kept = self.num_blocks_needed(num_kept)
+        for block_id in reversed(seq.block_table[num_blocks_kept:]):
+            self._release_block(block_id)
+        del seq.block_table[num_blocks_kept:]
+        if num_kept % bs and len(seq.block_table) == num_blocks_kept:
+            tail = self.blocks[seq.block_table[-1]]   # partly filled again: its slots get rewritten
+            if tail.block_hash is not None:
+                assert tail.ref_count == 1, "rollback into a block another sequence shares"
+                del self.cached_block_ids[tail.block_hash]
+                tail.block_hash, tail.token_ids = None, ()
+
+    def slot_mapping(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
+        """Physical KV slot of each of seq's tokens at positions start .. start + num_tokens - 1."""
+        assert start + num_tokens <= len(seq.block_table) * self.block_size, "slots not allocated"
+        return slot_mapping(seq.block_table, self.block_size, start, num_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached block (e.g. to benchmark without the cache)."""
+        while self.evictable_block_ids:
+            block_id, _ = self.evictable_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached_block_ids[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+            self.free_block_ids.append(block_id)

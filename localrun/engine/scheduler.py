@@ -1,0 +1,326 @@
+"""Continuous batching at token granularity, with chunked prefill and preemption.
+
+Each step fills a token budget (`max_num_batched_tokens`) in this order:
+  1. running sequences that decode, one token each, oldest first (a long prompt never
+     delays them: the budget is at least `max_num_seqs`);
+  2. running sequences part-way through their prompt, their next chunk, oldest first;
+  3. waiting sequences, FCFS or longest cached prefix first, while `max_num_seqs`,
+     the budget and the free blocks allow.
+When a running sequence needs a block and none is free, the newest running sequence not
+yet in this step's batch is preempted: its blocks are freed and it waits to be recomputed
+(its full blocks usually stay in the prefix cache, so recomputing it is cheap).
+
+The model runner consumes the `Batch` that `schedule()` returns, then hands the sampled
+tokens to `postprocess()`, which appends them, checks stop conditions and frees finished
+sequences.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from localrun.engine.block_manager import BlockManager, slot_mapping
+from localrun.engine.sequence import Sequence, SequenceStatus
+from localrun.errors import UserError
+
+POLICIES = ("fcfs", "cache_aware")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16                 # sequences in one batch (--parallel)
+    max_num_batched_tokens: int = 2048     # token budget of one step
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"                   # or "cache_aware": longest cached prefix first
+    max_model_len: int | None = None       # context length; default: the whole KV cache
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise UserError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise UserError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                            f"least max_num_seqs ({self.max_num_seqs}), so every decode fits a step.")
+        if self.policy not in POLICIES:
+            raise UserError(f"Unknown scheduling policy {self.policy!r}; choose one of {POLICIES}.")
+
+
+@dataclass
+class BatchEntry:
+    """The tokens of `seq` at positions start_position .. end_position - 1 go through the model."""
+    seq: Sequence
+    start_position: int
+    num_new_tokens: int
+    is_prefill: bool       # False: a decode (one query token after a generated one)
+    samples_token: bool    # reaches the sequence's end: sample the next token from its last position
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + self.num_new_tokens
+
+
+@dataclass
+class Batch:
+    """One step's work. The lists below are flat over entries, in entry order."""
+    entries: list[BatchEntry]
+    block_size: int
+    preempted: list[Sequence] = field(default_factory=list)  # lost their KV this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries
+
+    def input_token_ids(self) -> list[int]:
+        return [t for e in self.entries for t in e.seq.token_ids[e.start_position:e.end_position]]
+
+    def positions(self) -> list[int]:
+        return [p for e in self.entries for p in range(e.start_position, e.end_position)]
+
+    def slot_mapping(self) -> list[int]:
+        """Where each input token's K and V are written: block_id * block_size + offset."""
+        return [s for e in self.entries
+                for s in slot_mapping(e.seq.block_table, self.block_size, e.start_position, e.num_new_tokens)]
+
+    def query_start_locs(self) -> list[int]:
+        """Offsets of each entry's tokens in the flat input (len(entries) + 1 values)."""
+        return [0, *itertools.accumulate(e.num_new_tokens for e in self.entries)]
+
+    def context_lens(self) -> list[int]:
+        """Keys each entry attends over, its new tokens included."""
+        return [e.end_position for e in self.entries]
+
+    def block_tables(self) -> list[list[int]]:
+        return [list(e.seq.block_table) for e in self.entries]
+
+    def sample_indices(self) -> list[int]:
+        """Flat indices of the tokens whose logits are sampled, one per sampling entry."""
+        ends = self.query_start_locs()[1:]
+        return [end - 1 for e, end in zip(self.entries, ends) if e.samples_token]
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0      # aborted ones included
+    num_aborted: int = 0
+
+
+class Scheduler:
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: tuple[int, ...] = (),
+                 check_stop: Callable[[Sequence], str | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        capacity = block_manager.num_blocks * block_manager.block_size
+        self.max_model_len = config.max_model_len or capacity
+        if self.max_model_len > capacity:
+            raise UserError(f"The context length {self.max_model_len} does not fit the KV cache "
+                            f"({capacity} tokens); lower it or give the KV cache more memory.")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise UserError(f"Without chunked prefill, max_num_batched_tokens "
+                            f"({config.max_num_batched_tokens}) must cover the context length "
+                            f"({self.max_model_len}).")
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.check_stop = check_stop    # extra stop test after each token, e.g. stop strings
+        self.clock = clock
+        self.waiting: list[Sequence] = []    # by arrival_index
+        self.running: list[Sequence] = []    # by arrival_index
+        self.requests: dict[str, Sequence] = {}
+        self.num_added = 0
+        self.stats = SchedulerStats()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise UserError(f"A request with id {seq.request_id!r} is already running.")
+        if seq.num_tokens == 0:
+            raise UserError("The prompt is empty; give at least one token.")
+        if seq.num_tokens >= self.max_model_len:
+            raise UserError(f"The prompt has {seq.num_tokens} tokens, leaving no room to generate "
+                            f"within the context length {self.max_model_len}.")
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        seq.arrival_index = self.num_added
+        self.num_added += 1
+        if seq.timeline.arrival is None:
+            seq.timeline.arrival = self.clock()
+        self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request wherever it is and free its blocks; None if it is unknown or done."""
+        return self.finish_request(request_id, "abort")
+
+    def finish_request(self, request_id: str, finish_reason: str) -> Sequence | None:
+        """End a request for a reason found outside the scheduler (e.g. a stop string)."""
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self._finish(seq, finish_reason)
+        return seq
+
+    # --- one step -------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        budget = self.config.max_num_batched_tokens
+        entries: list[BatchEntry] = []
+        preempted: list[Sequence] = []
+        scheduled: set[int] = set()   # arrival_index of the sequences in this batch
+        decodes = [s for s in self.running if not s.is_prefill]
+        prefills = [s for s in self.running if s.is_prefill]
+        for seq in decodes + prefills:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+                continue
+            num_new = self._reserve_slots(seq, num_new, scheduled, preempted)
+            if num_new:
+                entries.append(self._entry(seq, num_new))
+                scheduled.add(seq.arrival_index)
+                budget -= num_new
+        if not preempted:    # blocks are short: let the running sequences finish first
+            self._admit_waiting(budget, entries)
+        if entries:
+            self.stats.num_steps += 1
+        for e in entries:
+            if e.is_prefill:
+                self.stats.num_prefill_tokens += e.num_new_tokens
+            else:
+                self.stats.num_decode_tokens += e.num_new_tokens
+        assert sum(e.num_new_tokens for e in entries) <= self.config.max_num_batched_tokens
+        return Batch(entries, self.block_manager.block_size, preempted)
+
+    def _reserve_slots(self, seq: Sequence, num_new: int, scheduled: set[int],
+                       preempted: list[Sequence]) -> int:
+        """Blocks for num_new more tokens of a running seq; returns how many tokens it got."""
+        block_manager = self.block_manager
+        while not block_manager.can_append_slots(seq, num_new):
+            victim = next((s for s in reversed(self.running)
+                           if s.arrival_index > seq.arrival_index and s.arrival_index not in scheduled), None)
+            if victim is not None:
+                self._preempt(victim)
+                preempted.append(victim)
+            elif False:
+                num_new = min(num_new, block_manager.num_appendable_tokens(seq))   # a smaller chunk
+            else:
+                self._preempt(seq)
+                preempted.append(seq)
+                return 0
+        if num_new:
+            block_manager.append_slots(seq, num_new)
+        return num_new
+
+    def _admit_waiting(self, budget: int, entries: list[BatchEntry]) -> None:
+        block_manager = self.block_manager
+        candidates = list(self.waiting)
+        if self.config.policy == "cache_aware":
+            candidates.sort(key=lambda s: (-block_manager.num_cached_prefix_tokens(s), s.arrival_index))
+        for seq in candidates:
+            if len(self.running) >= self.config.max_num_seqs or budget == 0:
+                break
+            num_new = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.remove(seq)
+            block_manager.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
+            if seq.timeline.first_scheduled is None:
+                seq.timeline.first_scheduled = self.clock()
+                seq.timeline.num_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            entries.append(self._entry(seq, num_new))
+            budget -= num_new
+
+    def _entry(self, seq: Sequence, num_new: int) -> BatchEntry:
+        start = seq.num_computed_tokens
+        seq.timeline.num_scheduled_steps += 1
+        return BatchEntry(seq, start, num_new, seq.is_prefill, start + num_new == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.timeline.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival_index)
+
+    # --- after the forward pass -----------------------------------------------------
+    def postprocess(self, batch: Batch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Advance each entry, append the sampled tokens (one per sampling entry, in entry
+        order, i.e. in the order of batch.sample_indices()), and return the finished sequences."""
+        assert len(sampled_token_ids) == sum(e.samples_token for e in batch.entries)
+        now = self.clock()
+        samples = iter(sampled_token_ids)
+        finished = []
+        for entry in batch.entries:
+            token_id = next(samples) if entry.samples_token else None
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue   # aborted after schedule()
+            assert seq.num_computed_tokens == entry.start_position, "postprocess once per batch"
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            timeline = seq.timeline
+            if entry.is_prefill:
+                timeline.prefill_chunks.append((now, entry.num_new_tokens))
+            if timeline.prefill_done is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                timeline.prefill_done = now
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            self.stats.num_generated_tokens += 1
+            if timeline.first_token is None:
+                timeline.first_token = now
+            finish_reason = self._finish_reason(seq)
+            if finish_reason is not None:
+                self._finish(seq, finish_reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        params, token_id = seq.sampling_params, seq.last_token_id
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return "stop"
+        if params.max_tokens is not None and seq.num_generated_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return self.check_stop(seq) if self.check_stop is not None else None
+
+    def _finish(self, seq: Sequence, finish_reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = finish_reason
+        seq.timeline.finish = self.clock()
+        del self.requests[seq.request_id]
+        self.stats.num_finished += 1
+        if finish_reason == "abort":
+            self.stats.num_aborted += 1

@@ -1,0 +1,135 @@
+"""One request as the engine sees it: its tokens, its place in the KV cache, its timeline.
+
+Token model: `token_ids` is the prompt followed by the generated tokens. The first
+`num_computed_tokens` of them have their K/V written in the sequence's blocks
+(`block_table`); the rest still have to go through the model. A prefill computes many
+tokens at once (possibly in chunks), a decode computes the single last token, and a
+token is sampled whenever a step computes up to the end of `token_ids`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import InitVar, dataclass, field
+
+from localrun.errors import UserError
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued; holds no KV blocks
+    RUNNING = "running"      # admitted; holds KV blocks (prefill in progress or decoding)
+    PREEMPTED = "preempted"  # its blocks were freed to make room; waits to be recomputed
+    FINISHED = "finished"    # stopped, hit a length limit, or aborted; holds no KV blocks
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. The scheduler reads only the stop fields."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                        # 0: no top-k cut
+    max_tokens: int | None = 16           # None: until the context length is reached
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end the request like EOS
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}.")
+
+
+@dataclass
+class SequenceTimeline:
+    """Monotonic timestamps (seconds) of one request's life; None until the event happens."""
+    arrival: float | None = None
+    first_scheduled: float | None = None
+    prefill_done: float | None = None     # the whole prompt has its K/V in the cache
+    first_token: float | None = None
+    finish: float | None = None
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (done at, num tokens)
+    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache, first admission
+    num_preemptions: int = 0
+    num_scheduled_steps: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: InitVar[float | None] = None  # default: the scheduler's clock when added
+    token_ids: list[int] = field(init=False, repr=False)  # prompt + generated
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None      # "stop", "length" or "abort"
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0            # of those, reused from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)     # logical block -> physical block id
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained hash per full block
+    arrival_index: int = -1               # set by the scheduler: lower is served first
+    timeline: SequenceTimeline = field(default_factory=SequenceTimeline, repr=False)
+
+    def __post_init__(self, arrival_time):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+        self.timeline.arrival = arrival_time
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token to compute, or the prompt's own last token (no output yet)."""
+        return self.num_uncomputed_tokens > 1 or self.num_generated_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def timings(self) -> dict[str, float | int | None]:
+        """The request's timeline in the shape `result.timings` exposes (seconds, tokens/s)."""
+        t = self.timeline
+
+        def between(start, end):
+            return None if start is None or end is None else end - start
+
+        decode_s = between(t.first_token, t.finish)
+        num_decoded = self.num_generated_tokens - 1
+        return {
+            "queue_s": between(t.arrival, t.first_scheduled),
+            "prefill_s": between(t.first_scheduled, t.prefill_done),
+            "ttft_s": between(t.arrival, t.first_token),
+            "decode_tok_s": num_decoded / decode_s if decode_s and num_decoded > 0 else None,
+            "prompt_tokens": self.num_prompt_tokens,
+            "cached_tokens": t.num_cached_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "preemptions": t.num_preemptions,
+        }

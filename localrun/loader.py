@@ -1,0 +1,64 @@
+"""GGUF file -> (ModelConfig, torch weights).
+
+Quantized tensors are dequantized with gguf-py's numpy kernels into the compute dtype.
+The hybrid-executor issue keeps them quantized where a fast kernel exists.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+
+from localrun.errors import UserError
+from localrun.gguf_file import LAYER_TENSORS, GGUFModelFile, open_gguf  # noqa: F401  (re-export)
+
+
+def tensor_data(file: GGUFModelFile, name: str) -> np.ndarray:
+    """A read-only memory map of a tensor's bytes, shaped as gguf-py's dequantize expects:
+    the element shape for plain types, (rows, bytes per row) for quantized ones."""
+    info = file.tensors[name]
+    raw = np.memmap(file.path, dtype=np.uint8, mode="r", offset=file.header.data_offset + info.offset,
+                    shape=(info.n_bytes,))
+    shape = tuple(reversed(info.shape))
+    plain = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16}
+    qtype = QT(info.type_id)
+    if qtype in plain:
+        return raw.view(plain[qtype]).reshape(shape)
+    rows = int(np.prod(shape[:-1]))
+    return raw.reshape(rows, info.n_bytes // rows)
+
+
+def read_tensor(file: GGUFModelFile, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor, dequantized, in numpy order (rows = output features), as `dtype`."""
+    info = file.tensors.get(name)
+    if info is None:
+        raise UserError(f"{file.path}: tensor '{name}' is missing")
+    qtype = QT(info.type_id)
+    shape = tuple(reversed(info.shape))
+    raw = tensor_data(file, name)
+    if qtype == QT.F32:
+        array = np.array(raw, dtype=np.float32)
+    elif qtype == QT.F16:
+        array = np.array(raw, dtype=np.float32)
+    elif qtype == QT.BF16:   # stored as raw bytes; reinterpret through torch
+        return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16).reshape(shape).to(dtype)
+    else:
+        array = dequantize(raw, qtype)
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape).to(dtype)
+
+
+def load_weights(file: GGUFModelFile, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All tensors the llama architecture uses, keyed by GGUF name, on the CPU in `dtype`.
+    Norm weights stay float32."""
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not file.config.tied_output:
+        names.append("output.weight")
+    if "rope_freqs.weight" in file.tensors:
+        names.append("rope_freqs.weight")
+    names += [f"blk.{i}.{t}.weight" for i in range(file.config.n_layers) for t in LAYER_TENSORS]
+    return {name: read_tensor(file, name, torch.float32 if _is_vector(name) else dtype) for name in names}
+
+
+def _is_vector(name: str) -> bool:
+    return name.endswith("norm.weight") or name == "rope_freqs.weight"

@@ -1,0 +1,1 @@
+"""Model math: the llama-family transformer and its KV cache."""

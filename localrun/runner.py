@@ -1,0 +1,108 @@
+"""One sequence at a time on a contiguous KV cache, with prefix reuse across calls.
+
+The cache remembers the tokens it holds; a new prompt that starts with them (the next chat
+turn, which repeats the earlier turns and the model's replies) computes only the rest. The
+engine-core issue replaces this runner with the paged, continuously batched engine."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from localrun.model.kv_cache import ContiguousKVCache
+from localrun.model.llama import Segment, Transformer
+from localrun.sampling import SamplingParams, make_generator, sample
+
+
+@dataclass
+class Timeline:
+    """Per-request timestamps (time.perf_counter) and counts."""
+    arrival: float = 0.0
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    first_token: float = 0.0
+    finish: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+
+    def timings(self) -> dict:
+        decode_s = self.finish - self.first_token
+        n_decode = self.generated_tokens - 1
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generated_tokens": self.generated_tokens,
+            "queue_s": self.prefill_start - self.arrival,
+            "prefill_s": self.prefill_end - self.prefill_start,
+            "prefill_tok_s": (self.prompt_tokens - self.cached_tokens) / max(self.prefill_end - self.prefill_start, 1e-9),
+            "ttft_s": (self.first_token - self.arrival) if self.generated_tokens else 0.0,
+            "decode_s": decode_s if self.generated_tokens else 0.0,
+            "decode_tok_s": n_decode / decode_s if n_decode > 0 and decode_s > 0 else 0.0,
+            "total_s": self.finish - self.arrival,
+        }
+
+
+@dataclass
+class SequenceRunner:
+    model: Transformer
+    n_ctx: int
+    cache: ContiguousKVCache = field(init=False)
+    cached_ids: list[int] = field(default_factory=list)   # tokens whose KV the cache holds
+
+    def __post_init__(self):
+        c = self.model.config
+        self.cache = ContiguousKVCache(n_layers=c.n_layers, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
+                                       max_tokens=self.n_ctx, dtype=self.model.dtype)
+
+    def forward(self, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run ids at positions start.. on the cache; logits of the last (or every) position."""
+        T = len(ids)
+        tokens = torch.tensor(ids, dtype=torch.long)
+        positions = torch.arange(start, start + T)
+        rows = None if all_logits else torch.tensor([T - 1])
+        logits = self.model(tokens, positions, [Segment(0, T, start, self.cache)], rows)
+        self.cached_ids = self.cached_ids[:start] + list(ids)
+        return logits
+
+    def reusable_prefix(self, ids: list[int]) -> int:
+        """How many leading tokens of ids have KV in the cache; the last token is always computed."""
+        n = 0
+        for a, b in zip(self.cached_ids, ids[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def prefill(self, ids: list[int], chunk: int = 512) -> tuple[torch.Tensor, int]:
+        """Compute the prompt (reusing the cached prefix) -> (last logits, cached token count)."""
+        start = self.reusable_prefix(ids)
+        self.cached_ids = self.cached_ids[:start]
+        logits = None
+        for i in range(start, len(ids), chunk):
+            logits = self.forward(ids[i:i + chunk], i)
+        return logits[-1], start
+
+    def generate(self, ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
+                 timeline: Timeline) -> Iterator[int]:
+        """Yield sampled token ids until max_tokens, a stop token, or the context end.
+        The caller may stop iterating early (stop string, Ctrl-C); the cache stays consistent."""
+        generator = make_generator(params.seed)
+        timeline.prompt_tokens = len(ids)
+        timeline.prefill_start = time.perf_counter()
+        logits, timeline.cached_tokens = self.prefill(ids)
+        timeline.prefill_end = time.perf_counter()
+        history = list(ids)
+        for i in range(params.max_tokens):
+            token = sample(logits, params, generator, history)
+            if i == 0:
+                timeline.first_token = time.perf_counter()
+            timeline.generated_tokens += 1
+            history.append(token)
+            timeline.finish = time.perf_counter()
+            yield token
+            if token in stop_ids and not params.ignore_eos or len(history) >= self.n_ctx:
+                return
+            logits = self.forward([token], len(history) - 1)[-1]

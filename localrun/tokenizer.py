@@ -1,0 +1,86 @@
+"""Tokenizer: llama.cpp's own vocabulary (llama-cpp-python, vocab-only load), so token ids
+are identical to llama.cpp's by construction, plus an incremental UTF-8-safe detokenizer."""
+from __future__ import annotations
+
+import codecs
+import os
+from functools import cached_property
+
+from localrun.errors import UserError
+
+
+class Tokenizer:
+    def __init__(self, path: str | os.PathLike):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise UserError("llama-cpp-python is not installed; run the set-up (make setup)") from None
+        self._lib = llama_cpp
+        try:
+            self._llama = llama_cpp.Llama(model_path=os.fspath(path), vocab_only=True, verbose=False)
+        except (ValueError, RuntimeError) as e:
+            raise UserError(f"{path}: llama.cpp could not load the vocabulary ({e})") from None
+        self._vocab = self._llama._model.vocab
+        self.n_vocab = self._llama.n_vocab()
+
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids as llama.cpp gives them. `add_special` adds BOS when the model asks for it;
+        `parse_special` turns control-token text such as <|im_start|> into its id."""
+        if not text:
+            return [self.bos_id] if add_special and self.add_bos and self.bos_id is not None else []
+        return self._llama.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+
+    def decode(self, ids: list[int], *, special: bool = False) -> str:
+        return b"".join(self.piece(i, special=special) for i in ids).decode("utf-8", errors="replace")
+
+    def piece(self, token_id: int, *, special: bool = False) -> bytes:
+        """The bytes a token contributes to the text (control tokens give b'' unless special)."""
+        table = self._special_pieces if special else self._pieces
+        if not 0 <= token_id < len(table):
+            raise UserError(f"token id {token_id} is outside the vocabulary (0..{len(table) - 1})")
+        return table[token_id]
+
+    @cached_property
+    def _pieces(self) -> list[bytes]:
+        return [self._llama._model.token_to_piece(i, special=False) for i in range(self.n_vocab)]
+
+    @cached_property
+    def _special_pieces(self) -> list[bytes]:
+        return [self._llama._model.token_to_piece(i, special=True) for i in range(self.n_vocab)]
+
+    @property
+    def bos_id(self) -> int | None:
+        t = self._llama.token_bos()
+        return None if t < 0 else t
+
+    @property
+    def eos_id(self) -> int | None:
+        t = self._llama.token_eos()
+        return None if t < 0 else t
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self._lib.llama_vocab_get_add_bos(self._vocab))
+
+    @cached_property
+    def eog_ids(self) -> frozenset[int]:
+        """End-of-generation tokens (EOS, EOT, <|im_end|>, ...) as llama.cpp marks them."""
+        return frozenset(i for i in range(self.n_vocab) if self._lib.llama_vocab_is_eog(self._vocab, i))
+
+    def token_text(self, token_id: int) -> str:
+        return self.piece(token_id, special=True).decode("utf-8", errors="replace")
+
+
+class IncrementalDetokenizer:
+    """Feeds token ids, returns only complete UTF-8 text, so a stream never shows a broken
+    multi-byte character (emoji split across tokens, for instance)."""
+
+    def __init__(self, tokenizer: Tokenizer, *, special: bool = False):
+        self.tokenizer, self.special = tokenizer, special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._decoder.decode(self.tokenizer.piece(token_id, special=self.special))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
