@@ -117,9 +117,10 @@ def _layer(shape: ModelShape, mix: str, il: int) -> LayerProfile:
     weight_bytes = sum(_bytes(tensor_type(mix, role, il, shape, cols), cols, rows)
                        for role, (cols, rows) in matrices.items())
     n_norms = 4 if shape.post_norms else 2
-    weight_bytes += 4 * d * n_norms + (4 * (q_dim + 2 * kv_dim) if shape.qkv_bias else 0)
+    vector_bytes = 4 * d * n_norms + (4 * (q_dim + 2 * kv_dim) if shape.qkv_bias else 0)
     return LayerProfile(
-        index=il, weight_bytes=weight_bytes, params=sum(c * r for c, r in matrices.values()),
+        index=il, weight_bytes=weight_bytes + vector_bytes, params=sum(c * r for c, r in matrices.values()),
+        vector_bytes=vector_bytes,
         n_head=shape.n_head, n_kv_head=shape.n_kv_head, head_dim_k=shape.head_dim, head_dim_v=shape.head_dim,
         sliding_window=shape.sliding_window if shape.sliding_window and il % 2 == 0 else None,
     )

@@ -15,7 +15,8 @@ class Device:
     compute_flops: float           # matmul flop/s in the compute dtype, achievable
     link_bandwidth: float = 0.0    # host <-> device bytes/s (PCIe); 0 for the host
     link_latency_s: float = 10e-6  # per transfer across the link
-    layer_overhead_s: float = 0.0  # fixed cost per layer per forward (kernel launches, dispatch)
+    layer_overhead_s: float = 0.0  # fixed cost per layer per step besides its matmuls (norms, rope, dispatch)
+    matmul_overhead_s: float = 0.0 # fixed cost of one matmul call (kernel launch, primitive set-up)
     source: str = "preset"         # where the figures come from: nvml, torch, preset, --vram, psutil, measured
     index: int | None = None       # the CUDA device index, for GPUs found on this machine
 

@@ -1,7 +1,7 @@
 """Datasheet figures of common GPUs, for planning a machine you are not on (`--gpu rtx4090`).
 
 Memory is what the card has; bandwidth and compute are datasheet peaks (dense f16 tensor
-throughput with f32 accumulation), scaled by the efficiencies below to what a decode or
+throughput with f16 accumulation, the path llama.cpp's cuBLAS matmuls take), scaled by the efficiencies below to what a decode or
 prefill step really reaches. `localrun plan --measure` replaces them with measured figures
 for the GPUs of this machine.
 """
@@ -16,7 +16,8 @@ BANDWIDTH_EFFICIENCY = 0.75   # share of peak memory bandwidth a decode matvec r
 COMPUTE_EFFICIENCY = 0.6      # share of peak tensor throughput a prefill matmul reaches
 LINK_EFFICIENCY = 0.8         # share of the PCIe line rate a transfer reaches
 PCIE_LANE_BYTES_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
-GPU_LAYER_OVERHEAD_S = 20e-6  # kernel launches per layer per step
+GPU_LAYER_OVERHEAD_S = 20e-6  # norms, rope, attention launches per layer per step
+GPU_MATMUL_OVERHEAD_S = 5e-6  # one matmul kernel launch
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class GPUPreset:
     name: str
     memory_bytes: int
     bandwidth_gb_s: float     # datasheet memory bandwidth, GB/s
-    f16_tflops: float         # datasheet dense f16 tensor throughput (f32 accumulate), TFLOPS
+    f16_tflops: float         # datasheet dense f16 tensor throughput (f16 accumulate), TFLOPS
     pcie_gen: int
     pcie_lanes: int
 
@@ -36,7 +37,7 @@ class GPUPreset:
             memory_bandwidth=self.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY,
             compute_flops=self.f16_tflops * 1e12 * COMPUTE_EFFICIENCY,
             link_bandwidth=pcie_bandwidth(self.pcie_gen, self.pcie_lanes),
-            layer_overhead_s=GPU_LAYER_OVERHEAD_S, source=source,
+            layer_overhead_s=GPU_LAYER_OVERHEAD_S, matmul_overhead_s=GPU_MATMUL_OVERHEAD_S, source=source,
         )
 
 
@@ -46,18 +47,18 @@ def pcie_bandwidth(generation: int, lanes: int) -> float:
 
 
 GPU_PRESETS: dict[str, GPUPreset] = {p.key: p for p in (
-    GPUPreset("rtx5090", "GeForce RTX 5090", 32 * GiB, 1792, 104.8, 5, 16),
-    GPUPreset("rtx5080", "GeForce RTX 5080", 16 * GiB, 960, 56.3, 5, 16),
-    GPUPreset("rtx4090", "GeForce RTX 4090", 24 * GiB, 1008, 82.6, 4, 16),
-    GPUPreset("rtx4080", "GeForce RTX 4080", 16 * GiB, 717, 48.7, 4, 16),
-    GPUPreset("rtx4070ti", "GeForce RTX 4070 Ti", 12 * GiB, 504, 40.1, 4, 16),
-    GPUPreset("rtx4070", "GeForce RTX 4070", 12 * GiB, 504, 29.1, 4, 16),
-    GPUPreset("rtx4060ti-16", "GeForce RTX 4060 Ti 16GB", 16 * GiB, 288, 22.1, 4, 8),
-    GPUPreset("rtx4060ti-8", "GeForce RTX 4060 Ti 8GB", 8 * GiB, 288, 22.1, 4, 8),
-    GPUPreset("rtx4060", "GeForce RTX 4060", 8 * GiB, 272, 15.1, 4, 8),
-    GPUPreset("rtx3090", "GeForce RTX 3090", 24 * GiB, 936, 35.6, 4, 16),
-    GPUPreset("rtx3080", "GeForce RTX 3080 10GB", 10 * GiB, 760, 29.8, 4, 16),
-    GPUPreset("rtx3060", "GeForce RTX 3060 12GB", 12 * GiB, 360, 12.7, 4, 16),
+    GPUPreset("rtx5090", "RTX 5090", 32 * GiB, 1792, 209.5, 5, 16),
+    GPUPreset("rtx5080", "RTX 5080", 16 * GiB, 960, 112.6, 5, 16),
+    GPUPreset("rtx4090", "RTX 4090", 24 * GiB, 1008, 165.2, 4, 16),
+    GPUPreset("rtx4080", "RTX 4080", 16 * GiB, 717, 97.5, 4, 16),
+    GPUPreset("rtx4070ti", "RTX 4070 Ti", 12 * GiB, 504, 80.2, 4, 16),
+    GPUPreset("rtx4070", "RTX 4070", 12 * GiB, 504, 58.3, 4, 16),
+    GPUPreset("rtx4060ti-16", "RTX 4060 Ti 16GB", 16 * GiB, 288, 44.1, 4, 8),
+    GPUPreset("rtx4060ti-8", "RTX 4060 Ti 8GB", 8 * GiB, 288, 44.1, 4, 8),
+    GPUPreset("rtx4060", "RTX 4060", 8 * GiB, 272, 30.1, 4, 8),
+    GPUPreset("rtx3090", "RTX 3090", 24 * GiB, 936, 71, 4, 16),
+    GPUPreset("rtx3080", "RTX 3080 10GB", 10 * GiB, 760, 59.5, 4, 16),
+    GPUPreset("rtx3060", "RTX 3060 12GB", 12 * GiB, 360, 51.2, 4, 16),
     GPUPreset("a100-40", "A100 40GB", 40 * GiB, 1555, 312, 4, 16),
     GPUPreset("a100-80", "A100 80GB", 80 * GiB, 2039, 312, 4, 16),
     GPUPreset("h100-80", "H100 80GB", 80 * GiB, 3350, 989, 5, 16),
@@ -68,7 +69,7 @@ GPU_PRESETS: dict[str, GPUPreset] = {p.key: p for p in (
     GPUPreset("t4", "Tesla T4", 16 * GiB, 320, 65, 3, 16),
 )}
 # a GPU given only as `--vram 24GiB`: figures of a typical desktop card of this decade
-GENERIC = GPUPreset("generic", "GPU", 0, 700, 40, 4, 16)
+GENERIC = GPUPreset("generic", "GPU", 0, 700, 80, 4, 16)
 
 
 def gpu_preset(key: str) -> GPUPreset:

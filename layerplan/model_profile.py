@@ -33,6 +33,8 @@ class LayerProfile:
     params: int              # matrix elements (2 flops each per token), experts included
     expert_bytes: int = 0    # part of weight_bytes in MoE expert tensors
     expert_params: int = 0   # part of params in MoE expert tensors
+    vector_bytes: int = 0    # part of weight_bytes in 1-D tensors (norms, biases), kept in f32 by runtimes
+    n_matmuls: int = 7       # matmul calls per step (q, k, v, o, gate, up, down as llama.cpp runs them)
     n_head: int = 0
     n_kv_head: int = 0       # 0: this layer has no KV cache
     head_dim_k: int = 0
@@ -139,6 +141,8 @@ def profile_from_header(header: GGUFHeader) -> ModelProfile:
             params=sum(_params(t) for t in tensors),
             expert_bytes=sum(t.n_bytes for t in experts),
             expert_params=sum(_params(t) for t in experts),
+            vector_bytes=sum(t.n_bytes for t in tensors if len(t.shape) < 2),
+            n_matmuls=sum(1 for t in tensors if len(t.shape) >= 2),
             n_head=n_head[il], n_kv_head=n_kv_head[il], head_dim_k=head_dim_k, head_dim_v=head_dim_v,
             sliding_window=int(window) if is_swa else None,
         ))

@@ -48,7 +48,7 @@ class SweepRow:
     fits: bool             # at the requested context and parallel
     decode_tok_s: float    # predicted at the requested context and parallel
     max_ctx: int           # the largest context per sequence that fits at this n_gpu_layers (0: none),
-                           # at most the model's trained context
+                           # searched up to max(trained context, requested context)
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,9 @@ def max_context(profile: ModelProfile, machine: Machine, settings: PlanSettings,
 
 
 def sweep(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands: list[Candidate]) -> tuple[SweepRow, ...]:
+    limit = max(profile.n_ctx_train, settings.n_ctx)
     return tuple(SweepRow(c.n_gpu_layers, c.fits, c.predicted.decode_tok_s,
-                          max_context(profile, machine, settings, c.n_gpu_layers)) for c in cands)
+                          max_context(profile, machine, settings, c.n_gpu_layers, limit)) for c in cands)
 
 
 def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n_parallel: int = 1,
@@ -173,8 +174,8 @@ def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n
 
     chosen = cands[n_gpu_layers] if n_gpu_layers is not None else best_candidate(cands)
     if chosen is None:  # nothing fits: show the plan with the most on the GPU, and say what to change
-        chosen = max(cands, key=lambda c: (c.placement.host.headroom_bytes >= 0, c.n_gpu_layers)
-                     if False else c.n_gpu_layers)
+        gpus_fit = [c for c in cands if all(u.fits for u in c.placement.usage[:-1])]
+        chosen = max(gpus_fit or cands[:1], key=lambda c: c.n_gpu_layers)
         reasons = explain_unfit(profile, machine, settings, cands)
     elif n_gpu_layers is not None:
         reasons = explain_pinned(profile, machine, settings, cands, chosen, best_candidate(cands))

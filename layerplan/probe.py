@@ -12,12 +12,13 @@ from pathlib import Path
 
 from layerplan.devices import Device, Machine
 from layerplan.gpu_presets import (BANDWIDTH_EFFICIENCY, COMPUTE_EFFICIENCY, GENERIC, GPU_LAYER_OVERHEAD_S,
-                                   pcie_bandwidth, preset_for_name)
+                                   GPU_MATMUL_OVERHEAD_S, pcie_bandwidth, preset_for_name)
 
 HOST_BANDWIDTH_PER_CORE = 8e9   # bytes/s one core streams; a desktop saturates near the cap
 HOST_BANDWIDTH_CAP = 60e9       # dual-channel DDR5, as decode really reads it
 HOST_FLOPS_PER_CORE = 40e9      # AVX2/AVX-512 f32 matmul, achievable
-HOST_LAYER_OVERHEAD_S = 30e-6   # per layer per step: thread barriers, op dispatch
+HOST_LAYER_OVERHEAD_S = 30e-6   # per layer per step besides matmuls: thread barriers, op dispatch
+HOST_MATMUL_OVERHEAD_S = 5e-6   # one matmul call
 
 
 def host_device(total_bytes: int, available_bytes: int, n_cores: int, source: str = "psutil") -> Device:
@@ -25,7 +26,8 @@ def host_device(total_bytes: int, available_bytes: int, n_cores: int, source: st
     return Device(
         name="CPU", kind="cpu", total_bytes=total_bytes, free_bytes=available_bytes,
         memory_bandwidth=min(HOST_BANDWIDTH_CAP, HOST_BANDWIDTH_PER_CORE * n_cores),
-        compute_flops=HOST_FLOPS_PER_CORE * n_cores, layer_overhead_s=HOST_LAYER_OVERHEAD_S, source=source,
+        compute_flops=HOST_FLOPS_PER_CORE * n_cores, layer_overhead_s=HOST_LAYER_OVERHEAD_S,
+        matmul_overhead_s=HOST_MATMUL_OVERHEAD_S, source=source,
     )
 
 
@@ -43,10 +45,11 @@ def _gpu_device(name: str, index: int, total: int, free: int, bandwidth_peak: fl
     bandwidth = bandwidth_peak or preset.bandwidth_gb_s * 1e9
     gen, lanes = pcie or (preset.pcie_gen, preset.pcie_lanes)
     return Device(
-        name=name.removeprefix("NVIDIA ").strip(), kind="gpu", total_bytes=total, free_bytes=free,
+        name=name.removeprefix("NVIDIA ").removeprefix("GeForce ").strip(), kind="gpu", total_bytes=total, free_bytes=free,
         memory_bandwidth=bandwidth * BANDWIDTH_EFFICIENCY,
         compute_flops=preset.f16_tflops * 1e12 * COMPUTE_EFFICIENCY,
         link_bandwidth=pcie_bandwidth(gen, lanes), layer_overhead_s=GPU_LAYER_OVERHEAD_S,
+        matmul_overhead_s=GPU_MATMUL_OVERHEAD_S,
         source=source, index=index,
     )
 

@@ -104,6 +104,7 @@ class _Step:
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
                 q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
                 attention_s += 2 * _transfer_s(device, kv_device, n_tokens * q_kv_dims * F32)
+            matmul_s += layer.n_matmuls * device.matmul_overhead_s
             per_device[placement.layer_devices[il]] += matmul_s + device.layer_overhead_s
             per_device[placement.kv_devices[il]] += attention_s
             previous = device
@@ -111,7 +112,7 @@ class _Step:
             head = devices[placement.head_device]
             per_device[placement.head_device] += (
                 _transfer_s(previous, head, n_logits * profile.d_model * F32)
-                + _roofline(head, profile.head_bytes, 2 * n_logits * profile.head_params)
+                + _roofline(head, profile.head_bytes, 2 * n_logits * profile.head_params) + head.matmul_overhead_s
                 + _transfer_s(head, host, n_logits * profile.n_vocab * F32))
         else:
             per_device[-1] += _transfer_s(previous, host, 0)

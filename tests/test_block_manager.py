@@ -333,4 +333,4 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

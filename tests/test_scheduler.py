@@ -1,16 +1,25 @@
 """Scheduler: batches, chunked prefill, preemption, abort and stop rules against hand-computed
 steps, plus a hypothesis property: under any workload, budget, cache size and aborts, every
 request finishes exactly once, with the same tokens as running it alone."""
+from dataclasses import dataclass
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localrun.engine.block_manager import BlockManager, slot_mapping
 from localrun.engine.scheduler import Scheduler, SchedulerConfig
-from localrun.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.errors import UserError
 
 VOCAB, EOS = 20, 0
+
+
+@dataclass(frozen=True)
+class Params:
+    """The fields of localrun.sampling.SamplingParams the scheduler reads (that module imports torch)."""
+    max_tokens: int = 16
+    ignore_eos: bool = False
 
 
 def fake_next_token(context: list[int]) -> int:
@@ -52,7 +61,7 @@ def reference_generate(prompt, params, max_model_len, eos=(EOS,)):
     while True:
         tokens.append(fake_next_token(tokens))
         num_generated = len(tokens) - len(prompt)
-        if (tokens[-1] in eos and not params.ignore_eos) or tokens[-1] in params.stop_token_ids:
+        if tokens[-1] in eos and not params.ignore_eos:
             return tokens[len(prompt):], "stop"
         if (params.max_tokens and num_generated >= params.max_tokens) or len(tokens) >= max_model_len:
             return tokens[len(prompt):], "length"
@@ -76,8 +85,8 @@ def shape(batch):
 
 def test_batch_describes_prefills_then_decodes():
     scheduler, runner = make(max_num_seqs=4, max_num_batched_tokens=64)
-    a = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
-    b = Sequence("b", [6, 7, 8], SamplingParams(max_tokens=5, ignore_eos=True))
+    a = Sequence("a", [1, 2, 3, 4, 5], Params(max_tokens=5, ignore_eos=True))
+    b = Sequence("b", [6, 7, 8], Params(max_tokens=5, ignore_eos=True))
     scheduler.add(a)
     scheduler.add(b)
     batch = scheduler.schedule()
@@ -102,10 +111,10 @@ def test_batch_describes_prefills_then_decodes():
 
 def test_chunked_prefill_never_stalls_a_running_decode():
     scheduler, runner = make(max_num_seqs=2, max_num_batched_tokens=4)
-    a = Sequence("a", [1, 2], SamplingParams(max_tokens=10, ignore_eos=True))
+    a = Sequence("a", [1, 2], Params(max_tokens=10, ignore_eos=True))
     scheduler.add(a)
     step(scheduler, runner)
-    scheduler.add(Sequence("b", list(range(1, 11)), SamplingParams(max_tokens=1)))
+    scheduler.add(Sequence("b", list(range(1, 11)), Params(max_tokens=1)))
     shapes = [shape(step(scheduler, runner)[0]) for _ in range(4)]
     assert shapes == [[("a", 2, 1), ("b", 0, 3)],
                       [("a", 3, 1), ("b", 3, 3)],
@@ -117,10 +126,10 @@ def test_without_chunked_prefill_a_prompt_waits_for_room_in_one_step():
     def run(chunked):
         scheduler, runner = make(num_blocks=8, max_num_seqs=3, max_num_batched_tokens=16,
                                  enable_chunked_prefill=chunked, max_model_len=16)
-        scheduler.add(Sequence("a", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True)))
-        scheduler.add(Sequence("c", [3, 4], SamplingParams(max_tokens=4, ignore_eos=True)))
+        scheduler.add(Sequence("a", [1, 2], Params(max_tokens=2, ignore_eos=True)))
+        scheduler.add(Sequence("c", [3, 4], Params(max_tokens=4, ignore_eos=True)))
         step(scheduler, runner)
-        scheduler.add(Sequence("b", list(range(1, 16)), SamplingParams(max_tokens=1)))
+        scheduler.add(Sequence("b", list(range(1, 16)), Params(max_tokens=1)))
         return [shape(step(scheduler, runner)[0]) for _ in range(2)]
 
     assert run(chunked=False) == [[("a", 2, 1), ("c", 2, 1)], [("c", 3, 1), ("b", 0, 15)]]
@@ -130,7 +139,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_room_in_one_step():
 def test_max_num_seqs_limits_the_batch():
     scheduler, runner = make(max_num_seqs=2)
     for name in "xyz":
-        scheduler.add(Sequence(name, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
+        scheduler.add(Sequence(name, [1, 2, 3], Params(max_tokens=2, ignore_eos=True)))
     assert [e.seq.request_id for e in step(scheduler, runner)[0].entries] == ["x", "y"]
     batch, finished = step(scheduler, runner)
     assert [e.seq.request_id for e in batch.entries] == ["x", "y"] and len(finished) == 2
@@ -139,11 +148,13 @@ def test_max_num_seqs_limits_the_batch():
 
 def test_preemption_frees_the_newest_and_recomputes_it_from_the_cache():
     scheduler, runner = make(num_blocks=4, block_size=2, max_num_seqs=2, max_num_batched_tokens=8)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = Params(max_tokens=4, ignore_eos=True)
     a, b = Sequence("a", [1, 2, 3], params), Sequence("b", [4, 5, 6], params)
     scheduler.add(a)
     scheduler.add(b)
     step(scheduler, runner)                          # both prefilled: all 4 blocks used
+    c = Sequence("c", [7, 8, 9], params)
+    scheduler.add(c)                                 # arrives before b is preempted, queues behind it
     step(scheduler, runner)                          # both decode into their second block
     batch, _ = step(scheduler, runner)               # a needs a third block: b goes
     assert shape(batch) == [("a", 4, 1)] and batch.preempted == [b]
@@ -155,13 +166,27 @@ def test_preemption_frees_the_newest_and_recomputes_it_from_the_cache():
     assert shape(batch) == [("b", 2, 3)] and batch.entries[0].is_prefill
     while scheduler.has_unfinished():
         step(scheduler, runner)
-    for seq in (a, b):
+    for seq in (a, b, c):
         assert seq.generated_token_ids == reference_generate(seq.prompt_token_ids, params, 8)[0]
+
+
+def test_a_newer_prefill_shrinks_to_the_free_blocks_then_yields_to_an_older_decode():
+    scheduler, runner = make(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    older = Sequence("b", [1, 2], Params(max_tokens=8, ignore_eos=True))
+    newer = Sequence("a", list(range(1, 15)), Params(max_tokens=1))
+    scheduler.add(older)
+    scheduler.add(newer)
+    shapes = [(shape(batch), [s.request_id for s in batch.preempted])
+              for batch, _ in (step(scheduler, runner) for _ in range(4))]
+    assert shapes == [([("b", 0, 2), ("a", 0, 6)], []),   # 3 blocks used, 1 free
+                      ([("b", 2, 1), ("a", 6, 6)], []),   # 7 tokens wanted, 6 fit in the free block
+                      ([("b", 3, 1)], []),                # no free block: a waits, holding its blocks
+                      ([("b", 4, 1)], ["a"])]             # b needs a block: the newer a goes
 
 
 def test_abort_frees_blocks_wherever_the_request_is():
     scheduler, runner = make(num_blocks=4, max_num_seqs=1)
-    running = Sequence("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
+    running = Sequence("r", [1, 2, 3, 4, 5], Params(max_tokens=8, ignore_eos=True))
     waiting = Sequence("w", [1, 2, 3])
     scheduler.add(running)
     scheduler.add(waiting)
@@ -185,11 +210,11 @@ class ScriptedRunner:
 
 
 @pytest.mark.parametrize("params, script, expected", [
-    (SamplingParams(max_tokens=10), [5, 0, 7], ([5, 0], "stop")),
-    (SamplingParams(max_tokens=3, ignore_eos=True), [5, 0, 7, 8], ([5, 0, 7], "length")),
-    (SamplingParams(max_tokens=10, stop_token_ids=(7,)), [5, 7, 0], ([5, 7], "stop")),
-    (SamplingParams(max_tokens=None, ignore_eos=True), [9] * 20, ([9] * 5, "length")),  # context 8
-    (SamplingParams(max_tokens=10), [5, 6, 99, 1], ([5, 6, 99], "stop_string")),
+    (Params(max_tokens=10), [5, 0, 7], ([5, 0], "stop")),
+    (Params(max_tokens=3, ignore_eos=True), [5, 0, 7, 8], ([5, 0, 7], "length")),
+    (None, [5, 0, 7], ([5, 0], "stop")),
+    (None, [9] * 20, ([9] * 5, "length")),                                     # context 8
+    (Params(max_tokens=10), [5, 6, 99, 1], ([5, 6, 99], "stop_string")),
 ])
 def test_stop_conditions(params, script, expected):
     bm = BlockManager(num_blocks=2, block_size=4)
@@ -209,10 +234,10 @@ def test_stop_conditions(params, script, expected):
 def test_cache_aware_policy_admits_the_longest_cached_prefix_first(policy, first):
     scheduler, runner = make(max_num_seqs=1, policy=policy)
     system_prompt = list(range(1, 13))
-    scheduler.add(Sequence("seed", system_prompt + [13], SamplingParams(max_tokens=1)))
+    scheduler.add(Sequence("seed", system_prompt + [13], Params(max_tokens=1)))
     step(scheduler, runner)
-    scheduler.add(Sequence("cold", [7] * 13, SamplingParams(max_tokens=1)))
-    scheduler.add(Sequence("warm", system_prompt + [14], SamplingParams(max_tokens=1)))
+    scheduler.add(Sequence("cold", [7] * 13, Params(max_tokens=1)))
+    scheduler.add(Sequence("warm", system_prompt + [14], Params(max_tokens=1)))
     batch = scheduler.schedule()
     assert [e.seq.request_id for e in batch.entries] == [first]
     if first == "warm":
@@ -224,10 +249,10 @@ def test_timeline_and_timings_with_a_fake_clock():
     bm = BlockManager(num_blocks=8, block_size=4)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), bm, clock=lambda: now[0])
     runner = FakeRunner(bm)
-    seed = Sequence("seed", list(range(1, 9)), SamplingParams(max_tokens=1))
+    seed = Sequence("seed", list(range(1, 9)), Params(max_tokens=1))
     scheduler.add(seed)
     step(scheduler, runner)                           # caches 4 tokens for the next prompt
-    seq = Sequence("a", list(range(1, 7)) + [40] * 15, SamplingParams(max_tokens=3, ignore_eos=True))
+    seq = Sequence("a", list(range(1, 7)) + [40] * 15, Params(max_tokens=3, ignore_eos=True))
     now[0] = 1.0
     scheduler.add(seq)                                # 21 prompt tokens, 4 cached: chunks 16 + 1
     for t in (3.0, 4.0, 6.0, 7.0, 9.0, 10.0, 12.0, 13.0):
@@ -289,7 +314,7 @@ def test_every_request_finishes_once_with_its_solo_output(requests, block_size, 
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              enable_chunked_prefill=chunked, policy=policy, max_model_len=max_model_len)
     scheduler, runner = Scheduler(config, bm, eos_token_ids=(EOS,)), FakeRunner(bm)
-    seqs = [Sequence(f"r{i}", BASE[:n] + tail or [1], SamplingParams(max_tokens=m, ignore_eos=ignore))
+    seqs = [Sequence(f"r{i}", BASE[:n] + tail or [1], Params(max_tokens=m, ignore_eos=ignore))
             for i, (n, tail, m, ignore, _, _) in enumerate(requests)]
     finished: list[Sequence] = []
     for step_index in range(500):

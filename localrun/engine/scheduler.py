@@ -6,9 +6,11 @@ Each step fills a token budget (`max_num_batched_tokens`) in this order:
   2. running sequences part-way through their prompt, their next chunk, oldest first;
   3. waiting sequences, FCFS or longest cached prefix first, while `max_num_seqs`,
      the budget and the free blocks allow.
-When a running sequence needs a block and none is free, the newest running sequence not
-yet in this step's batch is preempted: its blocks are freed and it waits to be recomputed
-(its full blocks usually stay in the prefix cache, so recomputing it is cheap).
+When a running sequence needs a block and none is free, the newest running sequence that
+is newer than it and not yet in this step's batch is preempted: its blocks are freed and it
+waits to be recomputed (its full blocks usually stay in the prefix cache, so recomputing is
+cheap). With no such victim, a decode preempts itself and a prefill takes a smaller chunk.
+No new request is admitted in a step that preempted.
 
 The model runner consumes the `Batch` that `schedule()` returns, then hands the sampled
 tokens to `postprocess()`, which appends them, checks stop conditions and frees finished
@@ -63,7 +65,8 @@ class BatchEntry:
 
 @dataclass
 class Batch:
-    """One step's work. The lists below are flat over entries, in entry order."""
+    """One step's work for the model runner. The lists below are flat over the entries, in
+    entry order; read them before postprocess(), which may free finished sequences' blocks."""
     entries: list[BatchEntry]
     block_size: int
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV this step
@@ -154,7 +157,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
-            raise UserError(f"A request with id {seq.request_id!r} is already running.")
+            raise UserError(f"A request with id {seq.request_id!r} is already queued or running.")
         if seq.num_tokens == 0:
             raise UserError("The prompt is empty; give at least one token.")
         if seq.num_tokens >= self.max_model_len:
@@ -220,7 +223,7 @@ class Scheduler:
             if victim is not None:
                 self._preempt(victim)
                 preempted.append(victim)
-            elif False:
+            elif seq.is_prefill and self.config.enable_chunked_prefill:
                 num_new = min(num_new, block_manager.num_appendable_tokens(seq))   # a smaller chunk
             else:
                 self._preempt(seq)
@@ -302,10 +305,10 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence) -> str | None:
-        params, token_id = seq.sampling_params, seq.last_token_id
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        params = seq.sampling_params
+        if seq.last_token_id in self.eos_token_ids and not (params and params.ignore_eos):
             return "stop"
-        if params.max_tokens is not None and seq.num_generated_tokens >= params.max_tokens:
+        if params and params.max_tokens is not None and seq.num_generated_tokens >= params.max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:
             return "length"

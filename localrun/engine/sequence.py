@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING
 
-from localrun.errors import UserError
+if TYPE_CHECKING:   # localrun.sampling imports torch; the engine core must not
+    from localrun.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -19,28 +21,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"      # admitted; holds KV blocks (prefill in progress or decoding)
     PREEMPTED = "preempted"  # its blocks were freed to make room; waits to be recomputed
     FINISHED = "finished"    # stopped, hit a length limit, or aborted; holds no KV blocks
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens and when to stop. The scheduler reads only the stop fields."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                        # 0: no top-k cut
-    max_tokens: int | None = 16           # None: until the context length is reached
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()  # extra ids that end the request like EOS
-    seed: int | None = None
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0, got {self.top_k}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}.")
 
 
 @dataclass
@@ -61,7 +41,7 @@ class SequenceTimeline:
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    sampling_params: SamplingParams | None = None   # scheduler reads max_tokens, ignore_eos
     arrival_time: InitVar[float | None] = None  # default: the scheduler's clock when added
     token_ids: list[int] = field(init=False, repr=False)  # prompt + generated
     status: SequenceStatus = SequenceStatus.WAITING

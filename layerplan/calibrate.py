@@ -1,0 +1,224 @@
+"""`--measure`: short micro-benchmarks of this machine, cached, used in place of preset figures.
+
+Host, in the compute dtype: matrix-vector products of a small and a large matrix (what a
+decode step runs), fitted as a fixed cost per call plus bytes / bandwidth, and the throughput
+of a 512-token matmul (what prefill runs). Through torch when it is importable (the engine's
+own kernels, so a dtype the CPU only emulates shows up as slow), else numpy's BLAS in f32.
+GPU (only with a CUDA build of torch):
+device memory bandwidth (a large copy), f16 matmul throughput, and host-to-device bandwidth
+over PCIe from pinned memory. Results are stored as JSON under $LOCALRUN_HOME/layerplan/ with a
+fingerprint of the machine, and ignored when the fingerprint no longer matches.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from layerplan.devices import Device, Machine
+
+CALIBRATION_FILE = "calibration.json"
+
+
+@dataclass(frozen=True)
+class GPUCalibration:
+    index: int
+    name: str
+    memory_bandwidth: float   # bytes/s
+    compute_flops: float      # f16 matmul flop/s
+    link_bandwidth: float     # host -> device bytes/s, pinned memory
+
+
+@dataclass(frozen=True)
+class Calibration:
+    fingerprint: str
+    host_bandwidth: float            # bytes/s a matrix-vector product streams weights at
+    host_flops: float                # matmul flop/s (a 512-token batch) in `dtype`
+    host_matmul_overhead_s: float    # fixed cost of one matrix-vector call in `dtype`
+    host_layer_overhead_s: float | None = None  # per layer besides matmuls (torch only), None: default
+    dtype: str = "f32"               # the compute dtype measured
+    backend: str = "numpy"           # numpy, or torch (the engine's own kernels)
+    threads: int = 0
+    gpus: tuple[GPUCalibration, ...] = ()
+    measured_at: str = ""
+
+
+def default_cache_dir() -> Path:
+    home = os.environ.get("LOCALRUN_HOME") or Path.home() / ".cache" / "localrun"
+    return Path(home).expanduser() / "layerplan"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fingerprint(machine: Machine) -> str:
+    """What must stay the same for old measurements to still describe this machine."""
+    gpus = ",".join(f"{g.index}:{g.name}" for g in machine.gpus if g.index is not None)
+    return f"{_cpu_model()}|{os.cpu_count()}|{round(machine.host.total_bytes / 2**30)}GiB|{gpus}"
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    """Median wall time of fn: the machine may be shared, and a run meets the typical load."""
+    fn()  # warm up: page in, spin up threads, build kernels
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fit_matvec(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(bytes/s, fixed seconds per call) of the line t = fixed + bytes / bandwidth through two
+    (bytes, seconds) matrix-vector timings."""
+    (b1, t1), (b2, t2) = small, large
+    if t2 <= t1:
+        return b2 / t2, 0.0
+    bandwidth = (b2 - b1) / (t2 - t1)
+    return bandwidth, max(0.0, t1 - b1 / bandwidth)
+
+
+# matrix-vector shapes (out, in): a small model's FFN matrix, and one far bigger than caches
+SMALL_MATVEC = (1536, 576)
+LARGE_MATVEC_BYTES = 256 << 20
+MATMUL_TOKENS, MATMUL_SIDE = 512, 2048
+OPS_PER_LAYER = 40  # small tensor ops an eager PyTorch llama layer runs besides its matmuls
+
+
+def _measure_host_numpy(repeats: int) -> dict:
+    import numpy as np
+
+    def matvec_seconds(n_out: int, n_in: int) -> tuple[float, float]:
+        w, x = np.ones((n_out, n_in), np.float32), np.ones(n_in, np.float32)
+        return w.nbytes, _median_seconds(lambda: w @ x, repeats)
+
+    side = int((LARGE_MATVEC_BYTES // 4) ** 0.5)
+    bandwidth, overhead = fit_matvec(matvec_seconds(*SMALL_MATVEC), matvec_seconds(side, side))
+    x, w = np.ones((MATMUL_TOKENS, MATMUL_SIDE), np.float32), np.ones((MATMUL_SIDE, MATMUL_SIDE), np.float32)
+    flops = 2 * MATMUL_TOKENS * MATMUL_SIDE**2 / _median_seconds(lambda: x @ w, max(3, repeats // 2))
+    return dict(host_bandwidth=bandwidth, host_flops=flops, host_matmul_overhead_s=overhead,
+                dtype="f32", backend="numpy", threads=os.cpu_count() or 1)
+
+
+def _measure_host_torch(dtype: str, threads: int | None, repeats: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(dtype, dtype))
+    size = torch.empty((), dtype=torch_dtype).element_size()
+
+    def matvec_seconds(n_out: int, n_in: int) -> tuple[float, float]:
+        w, x = torch.ones(n_out, n_in, dtype=torch_dtype), torch.ones(1, n_in, dtype=torch_dtype)
+        return w.numel() * size, _median_seconds(lambda: F.linear(x, w), repeats)
+
+    side = int((LARGE_MATVEC_BYTES // size) ** 0.5)
+    with torch.inference_mode():
+        bandwidth, overhead = fit_matvec(matvec_seconds(*SMALL_MATVEC), matvec_seconds(side, side))
+        x = torch.ones(MATMUL_TOKENS, MATMUL_SIDE, dtype=torch_dtype)
+        w = torch.ones(MATMUL_SIDE, MATMUL_SIDE, dtype=torch_dtype)
+        flops = 2 * MATMUL_TOKENS * MATMUL_SIDE**2 / _median_seconds(lambda: F.linear(x, w), max(3, repeats // 2))
+        a, b = torch.ones(64, dtype=torch_dtype), torch.ones(64, dtype=torch_dtype)
+
+        def small_ops():
+            for _ in range(200):
+                torch.add(a, b)
+        op_s = _median_seconds(small_ops, repeats) / 200
+    return dict(host_bandwidth=bandwidth, host_flops=flops, host_matmul_overhead_s=overhead,
+                host_layer_overhead_s=OPS_PER_LAYER * op_s, dtype=str(torch_dtype).removeprefix("torch."),
+                backend="torch", threads=torch.get_num_threads())
+
+
+def measure_host(dtype: str = "f32", threads: int | None = None, repeats: int = 7) -> dict:
+    """Host figures in the compute dtype: through torch (the engine's kernels) when it is
+    importable, else numpy's BLAS in f32."""
+    if importlib.util.find_spec("torch") is not None:
+        return _measure_host_torch(dtype, threads, repeats)
+    return _measure_host_numpy(repeats)
+
+
+def measure_gpus(repeats: int = 5) -> tuple[GPUCalibration, ...]:
+    """Bandwidth, f16 compute and PCIe of each CUDA GPU; () without a CUDA build of torch."""
+    from layerplan.probe import installed_torch_is_cuda_build
+
+    if not installed_torch_is_cuda_build():
+        return ()
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    results = []
+    for index in range(torch.cuda.device_count()):
+        dev = torch.device("cuda", index)
+
+        def timed(fn) -> float:
+            def run():
+                fn()
+                torch.cuda.synchronize(dev)
+            return _median_seconds(run, repeats)
+
+        src = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.numel() / timed(lambda: dst.copy_(src))  # read + write
+        a = torch.randn(4096, 4096, dtype=torch.float16, device=dev)
+        flops = 2 * 4096**3 / timed(lambda: a @ a)
+        host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+        link = host.numel() / timed(lambda: src.copy_(host, non_blocking=True))
+        results.append(GPUCalibration(index, torch.cuda.get_device_name(index), bandwidth, flops, link))
+        del src, dst, a, host
+    return tuple(results)
+
+
+def measure(machine: Machine, dtype: str = "f32", threads: int | None = None) -> Calibration:
+    """Measure this machine: the host in `dtype`, and its CUDA GPUs when a CUDA torch is installed."""
+    return Calibration(fingerprint=fingerprint(machine), **measure_host(dtype, threads), gpus=measure_gpus(),
+                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def save(calibration: Calibration, cache_dir: Path | None = None) -> Path:
+    path = (cache_dir or default_cache_dir()) / CALIBRATION_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(calibration), indent=2) + "\n")
+    return path
+
+
+def load(machine: Machine, cache_dir: Path | None = None) -> Calibration | None:
+    """The cached calibration of this machine, or None (none cached, unreadable, or another machine's)."""
+    path = (cache_dir or default_cache_dir()) / CALIBRATION_FILE
+    try:
+        raw = json.loads(path.read_text())
+        calibration = Calibration(**{**raw, "gpus": tuple(GPUCalibration(**g) for g in raw.get("gpus", ()))})
+    except (OSError, ValueError, TypeError):
+        return None
+    return calibration if calibration.fingerprint == fingerprint(machine) else None
+
+
+def _calibrated_gpu(gpu: Device, measured: dict[int, GPUCalibration]) -> Device:
+    m = measured.get(gpu.index) if gpu.index is not None else None
+    if m is None:
+        return gpu
+    return replace(gpu, memory_bandwidth=m.memory_bandwidth, compute_flops=m.compute_flops,
+                   link_bandwidth=m.link_bandwidth, source="measured")
+
+
+def apply(machine: Machine, calibration: Calibration) -> Machine:
+    """This machine with measured figures in place of defaults, for its own (probed) devices."""
+    measured = {g.index: g for g in calibration.gpus}
+    host = replace(machine.host, memory_bandwidth=calibration.host_bandwidth, compute_flops=calibration.host_flops,
+                   matmul_overhead_s=calibration.host_matmul_overhead_s,
+                   layer_overhead_s=(machine.host.layer_overhead_s if calibration.host_layer_overhead_s is None
+                                     else calibration.host_layer_overhead_s),
+                   source=f"measured {calibration.dtype}")
+    return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

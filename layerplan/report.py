@@ -1,0 +1,55 @@
+"""The plan as one JSON-ready dict (`localrun plan --json`); docs/layerplan.md describes the schema."""
+from __future__ import annotations
+
+from layerplan.emit import llama_cpp_flags
+from layerplan.planner import Plan
+
+SCHEMA_VERSION = 1
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    s, p = plan.settings, plan.predicted
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": plan.profile.name,
+        "source": plan.profile.source,
+        "quantization": plan.profile.quantization,
+        "weights_bytes": plan.profile.weight_bytes,
+        "n_layers": plan.n_layers,
+        "n_gpu_layers": plan.n_gpu_layers,
+        "auto": plan.auto,
+        "fits": plan.fits,
+        "reasons": list(plan.reasons),
+        "ctx": s.n_ctx,
+        "parallel": s.n_parallel,
+        "kv_type": s.kv.name,
+        "kv_offload": s.kv_offload,
+        "batch": s.n_ubatch,
+        "margin_bytes": s.margin_bytes,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "devices": [{
+            "name": u.device.name,
+            "kind": u.device.kind,
+            "weights_bytes": u.weights_bytes,
+            "kv_bytes": u.kv_bytes,
+            "buffer_bytes": u.buffer_bytes,
+            "total_bytes": u.total_bytes,
+            "free_bytes": u.device.free_bytes,
+            "budget_bytes": u.budget_bytes,
+            "headroom_bytes": u.headroom_bytes,
+            "n_layers": u.n_layers,
+            "holds_output_head": u.holds_head,
+            "source": u.device.source,
+        } for u in plan.usage],
+        "predicted": {
+            "decode_tok_s": round(p.decode_tok_s, 3),
+            "decode_tok_s_total": round(p.decode_tok_s_total, 3),
+            "prefill_tok_s": round(p.prefill_tok_s, 3),
+            "ttft_s": round(p.ttft_s, 4),
+            "prompt_tokens": p.prompt_tokens,
+            "decode_context": p.decode_context,
+        },
+        "sweep": [{"n_gpu_layers": r.n_gpu_layers, "fits": r.fits, "decode_tok_s": round(r.decode_tok_s, 3),
+                   "max_ctx": r.max_ctx} for r in plan.sweep],
+        "llama_cpp_flags": llama_cpp_flags(plan),
+    }

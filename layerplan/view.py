@@ -1,0 +1,116 @@
+"""The plan for a person: rich tables per device, the predicted speeds, the reasons, a compact
+sweep of the trade-off, and the equivalent llama.cpp flags."""
+from __future__ import annotations
+
+import shlex
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from layerplan.emit import llama_cpp_flags
+from layerplan.planner import Plan, SweepRow
+from layerplan.units import GiB
+from layerplan.units import format_bytes as fb
+
+SWEEP_COLUMNS = 11
+
+
+def _sweep_rows(plan: Plan) -> list[SweepRow]:
+    """About SWEEP_COLUMNS rows: evenly spread, plus the chosen one and the edges of what fits."""
+    rows = plan.sweep
+    if len(rows) <= SWEEP_COLUMNS:
+        return list(rows)
+    keep = {0, len(rows) - 1, plan.n_gpu_layers}
+    fitting = [r.n_gpu_layers for r in rows if r.fits]
+    if fitting:
+        keep |= {max(fitting), min(max(fitting) + 1, len(rows) - 1)}
+    step = max(1, len(rows) // (SWEEP_COLUMNS - len(keep)))
+    keep |= set(range(0, len(rows), step))
+    return [rows[i] for i in sorted(keep)]
+
+
+def _header(plan: Plan) -> str:
+    p, s = plan.profile, plan.settings
+    kv_total = sum(u.kv_bytes for u in plan.usage)
+    where = f"  [dim]{p.path}[/dim]" if p.path else " (built-in shape)"
+    return (f"[bold]{p.name}[/bold]{where}\n"
+            f"{p.architecture}, {p.n_layers} layers, {p.n_params / 1e9:.2f}B parameters, {fb(p.weight_bytes)} "
+            f"{p.quantization} ({p.bits_per_weight:.2f} bits/weight), trained context {p.n_ctx_train}\n"
+            f"context {s.n_ctx} x {s.n_parallel} sequence{'s' if s.n_parallel > 1 else ''}, KV cache {s.kv.name}: "
+            f"{fb(plan.kv_bytes_per_token)}/token, {fb(kv_total)} in all; batch {s.n_ubatch}, "
+            f"margin {fb(s.margin_bytes)} per device")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _tokens(n: int) -> str:
+    if n >= 10_000:
+        return f"{n // 1024}k"
+    return str(n) if n else "-"
+
+
+def _speed(tok_s: float) -> str:
+    return f"{tok_s:.1f}" if tok_s < 100 else f"{tok_s:.0f}"
+
+
+def _devices_table(plan: Plan) -> Table:
+    table = Table(title="Memory per device (GiB)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("device", "layers", "weights", "KV", "buffers", "total", "free", "headroom"):
+        table.add_column(column, justify="left" if column == "device" else "right")
+    for i, u in enumerate(plan.usage):
+        layers = f"{u.n_layers}" + ("+head" if u.holds_head else "")
+        headroom = _gib(u.headroom_bytes)
+        headroom = f"[green]{headroom}[/green]" if u.fits else f"[bold red]{headroom}[/bold red]"
+        name = u.device.name if u.device.kind == "cpu" else f"{i}: {u.device.name}"
+        table.add_row(name, layers, _gib(u.weights_bytes), _gib(u.kv_bytes), _gib(u.buffer_bytes),
+                      _gib(u.total_bytes), _gib(u.device.free_bytes), headroom)
+    return table
+
+
+def _sweep_table(plan: Plan) -> Table:
+    rows = _sweep_rows(plan)
+    table = Table(title="Sweep: GPU layers, predicted decode tok/s here, largest context that fits",
+                  title_justify="left", show_header=False, box=box.SIMPLE, pad_edge=False)
+    table.add_column("", style="bold", no_wrap=True)
+    for _ in rows:
+        table.add_column("", justify="right", no_wrap=True)
+
+    def mark(row: SweepRow, text: str) -> str:
+        if row.n_gpu_layers == plan.n_gpu_layers:
+            return f"[bold reverse]{text}[/bold reverse]"
+        return text if row.fits else f"[dim]{text}[/dim]"
+
+    table.add_row("-ngl", *[mark(r, str(r.n_gpu_layers)) for r in rows])
+    table.add_row("tok/s", *[mark(r, _speed(r.decode_tok_s) if r.fits else "-") for r in rows])
+    table.add_row("ctx", *[mark(r, _tokens(r.max_ctx)) for r in rows])
+    return table
+
+
+def _sources(plan: Plan) -> str:
+    return "; ".join(f"{u.device.name}: {u.device.source}" for u in plan.usage)
+
+
+def render_plan(plan: Plan, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(_header(plan))
+    console.print(_devices_table(plan))
+    console.print(f"[dim]figures from {_sources(plan)}[/dim]", highlight=False)
+    n = plan.n_layers
+    how = "auto" if plan.auto else "pinned"
+    verdict = "[green]fits[/green]" if plan.fits else "[bold red]does not fit[/bold red]"
+    p = plan.predicted
+    parallel = f" ({p.decode_tok_s_total:.1f} in all)" if plan.settings.n_parallel > 1 else ""
+    console.print(f"[bold]Plan:[/bold] n_gpu_layers {plan.n_gpu_layers} of {n + 1} ({how}), {verdict}")
+    console.print(f"[bold]Predicted:[/bold] decode {p.decode_tok_s:.1f} tok/s per sequence{parallel} with "
+                  f"{p.decode_context} tokens cached; prefill {p.prefill_tok_s:.0f} tok/s; time to first token "
+                  f"{p.ttft_s:.2f} s for a {p.prompt_tokens}-token prompt")
+    for reason in plan.reasons:
+        console.print(f" - {reason}", highlight=False)
+    if len(plan.sweep) > 1:
+        console.print(_sweep_table(plan))
+    elif plan.sweep:
+        console.print(f"[bold]Largest context that fits:[/bold] {plan.sweep[0].max_ctx} tokens per sequence")
+    console.print(f"[bold]llama.cpp:[/bold] {shlex.join(llama_cpp_flags(plan))}", highlight=False)

@@ -1,0 +1,111 @@
+"""`localrun plan`: where each part of a model goes on this (or a described) machine, and how fast
+it will run. Thin: parses options, asks layerplan, renders with rich. Never imports torch
+(except `--measure`, which may time a CUDA GPU through torch)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from localrun.errors import UserError
+
+EMIT_TARGETS = ("llama-server", "vllm")
+
+
+def load_profile(model: str):
+    """A .gguf path, a catalog name, or a built-in shape ('llama3.1-8b:q4_k_m') -> ModelProfile."""
+    import layerplan
+    from layerplan.builtin_shapes import parse_shape_name
+    from localrun.models import catalog, resolve_model
+
+    try:
+        path = Path(model).expanduser()
+        if path.is_file():
+            return layerplan.profile_gguf(path)
+        if parse_shape_name(model) is not None:
+            return layerplan.profile_builtin(model)
+        if model in catalog():
+            return layerplan.profile_gguf(resolve_model(model, pull_missing=False))
+    except (layerplan.GGUFFormatError, ValueError) as err:
+        raise UserError(str(err)) from None
+    raise UserError(f"'{model}' is not a .gguf file, a catalog model ({', '.join(sorted(catalog()))}) or a "
+                    f"built-in shape ({', '.join(layerplan.SHAPES)}, with a suffix such as :f16, :q8_0 or :q4_k_m)")
+
+
+def _gpu_layers(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--gpu-layers takes 'auto' or a number, not '{text}'") from None
+
+
+def plan(
+    model: Annotated[str, typer.Argument(help="A .gguf file, a catalog name, or a built-in shape such as "
+                                              "llama3.1-8b:q4_k_m.", show_default=False)],
+    gpu_layers: Annotated[str, typer.Option("--gpu-layers", "-ngl", help="'auto', or the number of layers to put "
+                                            "on the GPU (llama.cpp's -ngl: the last N; n_layers+1 adds the output head).")] = "auto",
+    ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per sequence, in tokens "
+                                               "[default: min(trained, 4096), lowered if it does not fit].",
+                                               show_default=False)] = None,
+    parallel: Annotated[int, typer.Option("--parallel", "-np", help="Sequences decoding together, each with "
+                                          "--ctx tokens of KV cache.")] = 1,
+    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16, bf16, q8_0 (int8), fp8, q4_0, ...")] = "f16",
+    batch: Annotated[int, typer.Option("--batch", help="Prompt tokens per prefill step (llama.cpp's -ub).")] = 512,
+    vram: Annotated[Optional[list[str]], typer.Option("--vram", help="Plan for a GPU with this much free memory "
+                                                      "(repeat for several GPUs), e.g. 24GiB.", show_default=False)] = None,
+    gpu: Annotated[Optional[list[str]], typer.Option("--gpu", help="Plan for a GPU preset (repeatable): rtx4090, "
+                                                     "rtx3090, rtx4060ti-16, a100-80, ...", show_default=False)] = None,
+    ram: Annotated[Optional[str], typer.Option("--ram", help="Plan for this much host memory, e.g. 64GiB.",
+                                               show_default=False)] = None,
+    margin: Annotated[str, typer.Option("--margin", help="Memory kept free on every device.")] = "512MiB",
+    no_kv_offload: Annotated[bool, typer.Option("--no-kv-offload", "-nkvo", help="Keep all KV cache in host "
+                                                "memory (llama.cpp's -nkvo).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
+    emit: Annotated[Optional[str], typer.Option("--emit", help="Print a launch command instead: llama-server or vllm.",
+                                                show_default=False)] = None,
+    measure: Annotated[bool, typer.Option("--measure", help="Measure this machine's bandwidth and compute first "
+                                          "(cached under $LOCALRUN_HOME).")] = False,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length for the predicted "
+                                               "prefill speed and time to first token.")] = 512,
+) -> None:
+    """Plan where each layer, its KV cache and the buffers go (GPU or host), with predicted speed."""
+    import layerplan
+    from layerplan import calibrate
+    from layerplan.units import parse_bytes
+
+    if emit is not None and emit not in EMIT_TARGETS:
+        raise UserError(f"--emit takes {' or '.join(EMIT_TARGETS)}, not '{emit}'")
+    n_gpu_layers = _gpu_layers(gpu_layers)
+    profile = load_profile(model)
+    try:
+        local = layerplan.build_machine()
+        calibration = calibrate.load(local)
+        if measure:
+            calibration = calibrate.measure(local)
+            saved = calibrate.save(calibration)
+            typer.echo(f"measured: host {calibration.host_bandwidth / 1e9:.1f} GB/s, {calibration.host_flops / 1e9:.0f} "
+                       f"GFLOP/s; {len(calibration.gpus)} GPU(s); saved to {saved}", err=True)
+        machine = layerplan.build_machine(vram=vram, gpu=gpu, ram=ram, calibration=calibration)
+        result = layerplan.plan(profile, machine, n_ctx=ctx, n_parallel=parallel, kv_type=kv_type,
+                                n_ubatch=batch, margin_bytes=parse_bytes(margin), n_gpu_layers=n_gpu_layers,
+                                kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens)
+    except ValueError as err:  # PlanError, bad sizes, unknown presets or KV types
+        raise UserError(str(err)) from None
+
+    if emit == "llama-server":
+        typer.echo(layerplan.llama_server_command(result))
+    elif emit == "vllm":
+        from layerplan.builtin_shapes import parse_shape_name
+        shape = parse_shape_name(profile.name) if profile.source == "built-in" else None
+        typer.echo(layerplan.vllm_command(result, hf_repo=shape[0].hf_repo if shape else None))
+    elif json_out:
+        typer.echo(json.dumps(layerplan.plan_to_dict(result)))
+    else:
+        from layerplan.view import render_plan
+        render_plan(result)
+    if not result.fits:
+        raise typer.Exit(1)

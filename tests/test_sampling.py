@@ -1,0 +1,64 @@
+"""The sampler's filters against hand-computed distributions."""
+import math
+
+import pytest
+import torch
+
+from localrun.errors import UserError
+from localrun.sampling import SamplingParams, apply_repeat_penalty, filter_logits, make_generator, sample
+
+# probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
+LOGITS = torch.tensor([math.log(p) for p in (0.5, 0.25, 0.125, 0.0625, 0.0625)])
+
+
+def kept(logits):
+    return torch.isfinite(logits).nonzero().flatten().tolist()
+
+
+def test_top_k_keeps_k_largest():
+    assert kept(filter_logits(LOGITS, SamplingParams(top_k=2, top_p=1, min_p=0))) == [0, 1]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    # cumulative 0.5, 0.75, 0.875: p=0.7 needs the first two, p=0.8 the first three
+    assert kept(filter_logits(LOGITS, SamplingParams(top_k=0, top_p=0.7, min_p=0))) == [0, 1]
+    assert kept(filter_logits(LOGITS, SamplingParams(top_k=0, top_p=0.8, min_p=0))) == [0, 1, 2]
+    assert kept(filter_logits(LOGITS, SamplingParams(top_k=0, top_p=0.1, min_p=0))) == [0]
+
+
+def test_min_p_is_relative_to_the_top_token():
+    # min_p=0.3: keep p >= 0.15 -> 0.5, 0.25
+    assert kept(filter_logits(LOGITS, SamplingParams(top_k=0, top_p=1, min_p=0.3))) == [0, 1]
+
+
+def test_repeat_penalty_follows_llama_cpp_rule():
+    logits = torch.tensor([2.0, -2.0, 1.0])
+    out = apply_repeat_penalty(logits, [0, 1, 1], 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_greedy_ignores_seed_and_temperature_zero_is_argmax():
+    assert sample(LOGITS, SamplingParams(temperature=0), make_generator(1)) == 0
+
+
+def test_sampling_frequencies_match_distribution():
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    g = make_generator(0)
+    counts = torch.bincount(torch.tensor([sample(LOGITS, p, g) for _ in range(4000)]), minlength=5)
+    freq = counts.float() / 4000
+    assert torch.allclose(freq, LOGITS.softmax(-1), atol=0.03), freq
+
+
+def test_temperature_sharpens():
+    g = make_generator(0)
+    cold = SamplingParams(temperature=0.25, top_k=0, top_p=1.0, min_p=0.0)
+    n0 = sum(sample(LOGITS, cold, g) == 0 for _ in range(1000))
+    # p0 at T=0.25: 0.5^4 / sum(p^4) = 0.0625 / (0.0625+0.0039+0.00024+2*1.5e-5) ~ 0.937
+    assert 900 <= n0 <= 970
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=1.5), dict(min_p=-0.1),
+                                 dict(max_tokens=-3), dict(repeat_penalty=0)])
+def test_bad_parameters_are_user_errors(bad):
+    with pytest.raises(UserError):
+        SamplingParams(**bad)
