@@ -40,6 +40,7 @@ class Calibration:
     host_flops: float                # matmul flop/s (a 512-token batch) in `dtype`
     host_matmul_overhead_s: float    # fixed cost of one matrix-vector call in `dtype`
     host_layer_overhead_s: float | None = None  # per layer besides matmuls (torch only), None: default
+    host_attention_call_s: float | None = None  # one decode attention call, part of the layer overhead
     dtype: str = "f32"               # the compute dtype measured
     backend: str = "numpy"           # numpy, or torch (the engine's own kernels)
     threads: int = 0
@@ -93,7 +94,7 @@ def fit_matvec(small: tuple[float, float], large: tuple[float, float]) -> tuple[
 SMALL_MATVEC = (1536, 576)
 LARGE_MATVEC_BYTES = 256 << 20
 MATMUL_TOKENS, MATMUL_SIDE = 512, 2048
-OPS_PER_LAYER = 40  # small tensor ops an eager PyTorch llama layer runs besides its matmuls
+OPS_PER_LAYER = 40  # small tensor ops an eager PyTorch llama layer runs besides matmuls and attention
 
 
 def _measure_host_numpy(repeats: int) -> dict:
@@ -136,9 +137,27 @@ def _measure_host_torch(dtype: str, threads: int | None, repeats: int) -> dict:
             for _ in range(200):
                 torch.add(a, b)
         op_s = _median_seconds(small_ops, repeats) / 200
+        attention_s = _median_seconds(_decode_attention(torch_dtype), repeats)
     return dict(host_bandwidth=bandwidth, host_flops=flops, host_matmul_overhead_s=overhead,
-                host_layer_overhead_s=OPS_PER_LAYER * op_s, dtype=str(torch_dtype).removeprefix("torch."),
-                backend="torch", threads=torch.get_num_threads())
+                host_layer_overhead_s=OPS_PER_LAYER * op_s + attention_s, host_attention_call_s=attention_s,
+                dtype=str(torch_dtype).removeprefix("torch."), backend="torch", threads=torch.get_num_threads())
+
+
+def _decode_attention(torch_dtype):
+    """One decode step's attention call (1 query, GQA, a short cache) as the engine runs it: its
+    fixed cost (thread-pool wake-up, kernel dispatch) is what a layer pays beyond bytes and flops."""
+    import torch
+    import torch.nn.functional as F
+
+    n_head, n_kv_head, head_dim, n_cached = 8, 2, 64, 256
+    q = torch.randn(1, n_head, 1, head_dim, dtype=torch_dtype)
+    k = torch.randn(1, n_kv_head, n_cached, head_dim, dtype=torch_dtype)
+    try:
+        F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+        return lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    except TypeError:  # torch before enable_gqa: expand the KV heads
+        k = k.repeat_interleave(n_head // n_kv_head, dim=1)
+        return lambda: F.scaled_dot_product_attention(q, k, k)
 
 
 def measure_host(dtype: str = "f32", threads: int | None = None, repeats: int = 7) -> dict:

@@ -21,8 +21,7 @@ def simulated_gpus(vram: list[str], gpu: list[str]) -> tuple[Device, ...]:
             raise ValueError(f"{len(sizes)} --vram values for {len(presets)} --gpu presets; give one, or one per GPU")
         frees = sizes * len(presets) if len(sizes) == 1 else sizes or [None] * len(presets)
         return tuple(p.device(free) for p, free in zip(presets, frees))
-    return tuple(replace(GENERIC.device(size, source="--vram"), name=f"GPU {i}")
-                 for i, size in enumerate(sizes))
+    return tuple(GENERIC.device(size, source="--vram, typical desktop figures") for size in sizes)
 
 
 def build_machine(vram: list[str] | None = None, gpu: list[str] | None = None, ram: str | None = None,

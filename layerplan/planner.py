@@ -10,7 +10,7 @@ gives a plan with fits=False and one sentence naming what to change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from layerplan.devices import Machine
 from layerplan.explain import explain_auto, explain_pinned, explain_unfit
@@ -114,8 +114,7 @@ def max_context(profile: ModelProfile, machine: Machine, settings: PlanSettings,
     limit = limit or profile.n_ctx_train
 
     def fits(n_ctx: int) -> bool:
-        trial = PlanSettings(**{**settings.__dict__, "n_ctx": n_ctx})
-        return place(profile, machine, trial, n_gpu_layers).fits
+        return place(profile, machine, replace(settings, n_ctx=n_ctx), n_gpu_layers).fits
 
     if not fits(1):
         return 0
@@ -166,23 +165,24 @@ def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n
     if n_gpu_layers is None and n_ctx is None:
         requested = settings.n_ctx
         while best_candidate(cands) is None and settings.n_ctx > MIN_AUTO_CTX:
-            settings = PlanSettings(**{**settings.__dict__, "n_ctx": max(MIN_AUTO_CTX, settings.n_ctx // 2)})
+            settings = replace(settings, n_ctx=max(MIN_AUTO_CTX, settings.n_ctx // 2))
             cands = candidates(profile, machine, settings, prompt_tokens)
         if settings.n_ctx != requested and best_candidate(cands):
             notes.append(f"The context was lowered from {requested} to {settings.n_ctx} tokens so that the KV "
                          "cache fits; pass --ctx to choose it.")
 
-    chosen = cands[n_gpu_layers] if n_gpu_layers is not None else best_candidate(cands)
-    if chosen is None:  # nothing fits: show the plan with the most on the GPU, and say what to change
+    best = best_candidate(cands)
+    if n_gpu_layers is not None:
+        chosen = cands[n_gpu_layers]
+        reasons = (explain_pinned(profile, machine, settings, cands, chosen, best) if chosen.fits or best
+                   else explain_unfit(profile, machine, settings, cands, pinned=chosen))
+    elif best is not None:
+        chosen = best
+        reasons = explain_auto(profile, machine, settings, cands, chosen)
+    else:  # nothing fits: show the plan with the most on the GPUs that still fits them, and say what to change
         gpus_fit = [c for c in cands if all(u.fits for u in c.placement.usage[:-1])]
         chosen = max(gpus_fit or cands[:1], key=lambda c: c.n_gpu_layers)
         reasons = explain_unfit(profile, machine, settings, cands)
-    elif n_gpu_layers is not None:
-        reasons = explain_pinned(profile, machine, settings, cands, chosen, best_candidate(cands))
-    else:
-        reasons = explain_auto(profile, machine, settings, cands, chosen)
-    if n_gpu_layers is not None and not chosen.fits and best_candidate(cands) is None:
-        reasons = explain_unfit(profile, machine, settings, cands, pinned=chosen)
     return Plan(profile, machine, settings, chosen.placement, chosen.predicted, chosen.fits,
                 tuple(notes + reasons), sweep(profile, machine, settings, cands) if with_sweep else (),
                 auto=n_gpu_layers is None)

@@ -90,14 +90,14 @@ def _sweep_table(plan: Plan) -> Table:
 
 
 def _sources(plan: Plan) -> str:
-    return "; ".join(f"{u.device.name}: {u.device.source}" for u in plan.usage)
+    return "; ".join(f"{u.device.name} {u.device.source}" for u in plan.usage)
 
 
 def render_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     console.print(_header(plan))
     console.print(_devices_table(plan))
-    console.print(f"[dim]figures from {_sources(plan)}[/dim]", highlight=False)
+    console.print(f"[dim]figures: {_sources(plan)}[/dim]", highlight=False)
     n = plan.n_layers
     how = "auto" if plan.auto else "pinned"
     verdict = "[green]fits[/green]" if plan.fits else "[bold red]does not fit[/bold red]"

@@ -29,8 +29,14 @@ def default_threads() -> int:
 
 
 def default_dtype() -> torch.dtype:
-    """The compute dtype on this device: bf16 where the CPU has fast bf16 matmuls."""
-    return torch.bfloat16
+    """The compute dtype on this CPU: bf16 only where the hardware has bf16 dot products
+    (AVX512-BF16 or AMX); elsewhere torch emulates bf16 and float32 is several times faster."""
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        check = getattr(cpu, probe, None)
+        if check is not None and check():
+            return torch.bfloat16
+    return torch.float32
 
 
 @dataclass
@@ -84,13 +90,17 @@ class LLM:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def reset(self) -> None:
+        """Forget the cached prefix (the next prompt is computed from scratch)."""
+        self.runner.cached_ids = []
+
     # -- logits ---------------------------------------------------------------------------
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position: float32 (len(ids), n_vocab)."""
         ids = self._check_ids(ids)
         if len(ids) > self.n_ctx:
             raise UserError(f"{len(ids)} tokens do not fit the context of {self.n_ctx}")
-        self.runner.cached_ids = []
+        self.reset()
         out = torch.cat([self.runner.forward(ids[i:i + 512], i, all_logits=True)
                          for i in range(0, len(ids), 512)])
         return out.float()

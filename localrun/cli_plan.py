@@ -34,6 +34,15 @@ def load_profile(model: str):
                     f"built-in shape ({', '.join(layerplan.SHAPES)}, with a suffix such as :f16, :q8_0 or :q4_k_m)")
 
 
+def _engine_compute() -> tuple[str, int | None]:
+    """The engine's compute dtype and thread count, for `--measure` (which may import torch)."""
+    try:
+        from localrun.api import default_dtype, default_threads
+    except ImportError:  # no torch: numpy measures f32
+        return "f32", None
+    return str(default_dtype()).removeprefix("torch."), default_threads()
+
+
 def _gpu_layers(text: str) -> int | None:
     if text.strip().lower() == "auto":
         return None
@@ -85,7 +94,8 @@ def plan(
         local = layerplan.build_machine()
         calibration = calibrate.load(local)
         if measure:
-            calibration = calibrate.measure(local)
+            dtype, threads = _engine_compute()
+            calibration = calibrate.measure(local, dtype=dtype, threads=threads)
             saved = calibrate.save(calibration)
             typer.echo(f"measured: host {calibration.host_bandwidth / 1e9:.1f} GB/s, {calibration.host_flops / 1e9:.0f} "
                        f"GFLOP/s; {len(calibration.gpus)} GPU(s); saved to {saved}", err=True)

@@ -92,9 +92,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_adjacent_pairs(x: np.ndarray, position: float, base: float, freq_scale: float = 1.0) -> np.ndarray:
-    """Rotate pairs (x[..., 2i], x[..., 2i+1]) by position * base^(-2i/d)."""
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) by position * freq_scale * base^(-2i/d)."""
     d = x.shape[-1]
-    theta = position * base ** (-np.arange(0, d, 2) / d)  # (d/2,)
+    theta = position * freq_scale * base ** (-np.arange(0, d, 2) / d)  # (d/2,)
     cos, sin = np.cos(theta), np.sin(theta)
     even, odd = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)

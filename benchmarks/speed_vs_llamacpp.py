@@ -1,0 +1,100 @@
+"""Prefill and decode speed: localrun vs llama.cpp (llama-cpp-python), same model, same
+threads, same run. Runs alternate between the two engines; the best of N is kept for each.
+Prints a table, then one JSON object as the last line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import CORPUS  # noqa: E402
+
+
+def prompt_ids(llm, n: int) -> list[int]:
+    ids = llm.tokenize(CORPUS)
+    while len(ids) < n:
+        ids += llm.tokenize(CORPUS, add_special=False)
+    return ids[:n]
+
+
+def bench_llama_cpp(ref, ids: list[int], n_gen: int) -> tuple[float, float]:
+    ref.reset()
+    t0 = time.perf_counter()
+    ref.eval(ids)
+    prefill_s = time.perf_counter() - t0
+    token = int(np.argmax(ref.scores[ref.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        ref.eval([token])
+        token = int(np.argmax(ref.scores[ref.n_tokens - 1]))
+    decode_s = time.perf_counter() - t0
+    return len(ids) / prefill_s, n_gen / decode_s
+
+
+def bench_localrun(llm, ids: list[int], n_gen: int) -> tuple[float, float]:
+    llm.reset()
+    r = llm.generate(ids, max_tokens=n_gen + 1, temperature=0, ignore_eos=True)
+    t = r.timings
+    assert t["cached_tokens"] == 0 and t["generated_tokens"] == n_gen + 1
+    return t["prefill_tok_s"], t["decode_tok_s"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default=None, help="localrun compute dtype (default: chosen for this CPU)")
+    args = ap.parse_args()
+
+    import llama_cpp
+    import torch
+
+    from localrun import LLM
+    from localrun.models import resolve_model
+
+    path = resolve_model(args.model)
+    llm = LLM(path, n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_threads=args.threads, dtype=args.dtype)
+    ref = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_batch=512,
+                          n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    ids = prompt_ids(llm, args.prompt_tokens)
+    bench_localrun(llm, ids[:64], 4)              # warm-up both
+    bench_llama_cpp(ref, ids[:64], 4)
+    runs = {"localrun": [], "llama.cpp": []}
+    for _ in range(args.repeats):
+        runs["llama.cpp"].append(bench_llama_cpp(ref, ids, args.gen_tokens))
+        runs["localrun"].append(bench_localrun(llm, ids, args.gen_tokens))
+    best = {k: (max(r[0] for r in v), max(r[1] for r in v)) for k, v in runs.items()}
+    ratio_prefill = best["localrun"][0] / best["llama.cpp"][0]
+    ratio_decode = best["localrun"][1] / best["llama.cpp"][1]
+
+    print(f"model {path.name}, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
+          f"decode {args.gen_tokens} tokens, best of {args.repeats}, localrun dtype {llm.dtype}, "
+          f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"| engine    | prefill tok/s | decode tok/s |")
+    print(f"|-----------|---------------|--------------|")
+    for k, (p, d) in best.items():
+        print(f"| {k:<9} | {p:13.1f} | {d:12.1f} |")
+    print(f"| ratio     | {ratio_prefill:12.2f}x | {ratio_decode:11.2f}x |")
+    print(json.dumps({
+        "benchmark": "speed_vs_llamacpp", "model": path.name, "threads": args.threads,
+        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+        "localrun_dtype": str(llm.dtype).replace("torch.", ""),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "localrun_prefill_tok_s": round(best["localrun"][0], 1),
+        "llamacpp_prefill_tok_s": round(best["llama.cpp"][0], 1),
+        "localrun_decode_tok_s": round(best["localrun"][1], 1),
+        "llamacpp_decode_tok_s": round(best["llama.cpp"][1], 1),
+        "prefill_ratio": round(ratio_prefill, 3), "decode_ratio": round(ratio_decode, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The engine: requests in, one token per running sequence per step out.
+
+LLMEngine wires the torch-free core (BlockManager, Scheduler) to the torch half (PagedKVCache,
+ModelRunner). A caller adds requests at any time and calls `step()` in a loop; each step
+schedules one batch (decodes first, then prefill chunks, then new requests), runs one forward
+over it, samples, and reports what every sequence in the batch got.
+
+KV capacity: `num_blocks`, or a KV byte budget (`kv_budget_bytes`), or by default a fraction
+of the free memory of the layers' devices, capped at `max_num_seqs` full contexts (more could
+never be used at once).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from localrun.engine.block_manager import BlockManager, kv_bytes_per_token
+from localrun.engine.model_runner import ModelRunner
+from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_type, kv_bytes_per_element
+from localrun.engine.scheduler import Scheduler, SchedulerConfig
+from localrun.engine.sequence import Sequence, SequenceStatus
+from localrun.errors import UserError
+from localrun.model.llama import Transformer
+from localrun.sampling import SamplingParams
+
+HOST_MEMORY_FRACTION = 0.25     # of available RAM, for layers on the CPU
+DEVICE_MEMORY_FRACTION = 0.5    # of free accelerator memory (the weights are already there)
+
+
+class StepOutput(NamedTuple):
+    seq: Sequence
+    token_id: int | None     # sampled this step; None for a prefill chunk short of the prompt's end
+    finished: bool           # seq.finish_reason says why ("stop", "length", "abort")
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a KV cache on device may take by default."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEVICE_MEMORY_FRACTION)
+    import psutil
+    return int(psutil.virtual_memory().available * HOST_MEMORY_FRACTION)
+
+
+def default_num_tokens(devices: list[torch.device], bytes_per_layer_token: float) -> int:
+    """Tokens the default budget holds: the device with the least room per token decides."""
+    layers_on: dict[torch.device, int] = {}
+    for device in devices:
+        layers_on[device] = layers_on.get(device, 0) + 1
+    return min(int(free_memory_bytes(d) // (n * bytes_per_layer_token)) for d, n in layers_on.items())
+
+
+class LLMEngine:
+
+    def __init__(self, model: Transformer, *, tokenizer_eog_ids: tuple[int, ...] | frozenset[int] = (),
+                 num_blocks: int | None = None, kv_budget_bytes: int | None = None,
+                 block_size: int = 16, kv_type: str | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 policy: str = "fcfs", check_stop: Callable[[Sequence], str | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        config = model.config
+        kv_type = check_kv_type(kv_type or default_kv_type(model.dtype))
+        max_positions = model.freqs.shape[0]
+        self.max_model_len = max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise UserError(f"max_model_len {self.max_model_len} exceeds the {max_positions} positions "
+                            f"the model was built for; build it with a larger context.")
+        if block_size < 1:
+            raise UserError(f"block_size must be at least 1, got {block_size}.")
+        devices = [layer.attention.wqkv.device for layer in model.layers]
+        element_bytes = kv_bytes_per_element(kv_type, config.head_dim)
+        self.bytes_per_token = kv_bytes_per_token(config.n_layers, config.n_head_kv, config.head_dim,
+                                                  element_bytes)
+        self.num_blocks = self._num_blocks(num_blocks, kv_budget_bytes, block_size, max_num_seqs, devices,
+                                           kv_bytes_per_token(1, config.n_head_kv, config.head_dim,
+                                                              element_bytes))
+        self.kv_cache = PagedKVCache(num_blocks=self.num_blocks, block_size=block_size,
+                                     n_layers=config.n_layers, n_head_kv=config.n_head_kv,
+                                     head_dim=config.head_dim, kv_type=kv_type,
+                                     compute_dtype=model.dtype, devices=devices)
+        self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching,
+                                          hash_seed=f"{config.name}|{kv_type}".encode())
+        scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           enable_chunked_prefill=enable_chunked_prefill, policy=policy,
+                                           max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids),
+                                   check_stop, clock)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.model = model
+        self.kv_type = kv_type
+        self.clock = clock
+        self._finished_at_add: list[Sequence] = []   # max_tokens=0: reported by the next step
+
+    def _num_blocks(self, num_blocks, kv_budget_bytes, block_size, max_num_seqs, devices,
+                    bytes_per_layer_token) -> int:
+        if num_blocks is not None and kv_budget_bytes is not None:
+            raise UserError("Give either num_blocks or kv_budget_bytes, not both.")
+        if num_blocks is not None:
+            if num_blocks < 1:
+                raise UserError(f"num_blocks must be at least 1, got {num_blocks}.")
+            return num_blocks
+        if kv_budget_bytes is not None:
+            num_tokens = int(kv_budget_bytes // self.bytes_per_token)
+        else:
+            num_tokens = default_num_tokens(devices, bytes_per_layer_token)
+        num_tokens = min(num_tokens, max_num_seqs * self.max_model_len)
+        if num_tokens < self.max_model_len:
+            raise UserError(f"The KV budget holds {num_tokens} tokens, fewer than the context length "
+                            f"{self.max_model_len}; give the KV cache more memory or lower the context.")
+        return -(-num_tokens // block_size)
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None) -> Sequence:
+        """Queue a request; arrival_time is on the engine's clock (default: now)."""
+        params = params or SamplingParams()
+        n_vocab = self.model.config.n_vocab
+        bad = [t for t in prompt_ids if not 0 <= t < n_vocab]
+        if bad:
+            raise UserError(f"Token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1}).")
+        seq = Sequence(request_id, prompt_ids, params, arrival_time)
+        if params.max_tokens == 0:      # nothing to compute: done as soon as it arrives
+            if seq.timeline.arrival is None:
+                seq.timeline.arrival = self.clock()
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+            seq.timeline.finish = self.clock()
+            self._finished_at_add.append(seq)
+            return seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request wherever it is and free its blocks; None if unknown or already done."""
+        return self.finish_request(request_id, "abort")
+
+    def finish_request(self, request_id: str, finish_reason: str) -> Sequence | None:
+        """End a request for a reason found outside the engine (e.g. a stop string)."""
+        seq = self.scheduler.finish_request(request_id, finish_reason)
+        if seq is not None:
+            self.runner.release(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._finished_at_add)
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedule one batch, run it, and report each of its sequences in batch order."""
+        outputs = [StepOutput(seq, None, True) for seq in self._finished_at_add]
+        self._finished_at_add = []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            assert not self.scheduler.has_unfinished(), "requests wait but nothing was scheduled"
+            return outputs
+        sampled = self.runner.execute(batch)
+        finished = self.scheduler.postprocess(batch, sampled)
+        tokens = iter(sampled)
+        for entry in batch.entries:
+            token_id = next(tokens) if entry.samples_token else None
+            outputs.append(StepOutput(entry.seq, token_id, entry.seq.is_finished))
+        for seq in finished:
+            self.runner.release(seq)
+        return outputs
+
+    # --- state for metrics ------------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody uses (to measure without the cache)."""
+        self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> dict[str, int | float | str]:
+        bm, cache, sched = self.block_manager, self.block_manager.stats, self.scheduler.stats
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_blocks_total": bm.num_blocks,
+            "num_blocks_used": bm.num_used_blocks,
+            "num_blocks_cached": bm.num_cached_blocks,
+            "block_size": bm.block_size,
+            "kv_type": self.kv_type,
+            "kv_cache_bytes": self.kv_cache.num_bytes,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "prefix_cache_queries": cache.num_queries,
+            "prefix_cache_query_tokens": cache.num_query_tokens,
+            "prefix_cache_hit_tokens": cache.num_hit_tokens,
+            "prefix_cache_hit_rate": cache.hit_rate,
+            "prefix_cache_evictions": cache.num_evictions,
+            "num_preemptions": sched.num_preemptions,
+            "num_steps": sched.num_steps,
+            "num_prefill_tokens": sched.num_prefill_tokens,
+            "num_decode_tokens": sched.num_decode_tokens,
+            "num_generated_tokens": sched.num_generated_tokens,
+            "num_finished": sched.num_finished,
+            "num_aborted": sched.num_aborted,
+        }

@@ -1,0 +1,79 @@
+"""localrun against llama.cpp (llama-cpp-python) on the real SmolLM2 GGUF: tokenization is
+identical, and teacher-forced next-token predictions agree (top-1 >= 95%, mean KL <= 0.01).
+llama.cpp quantizes activations for its Q4_1 dot products, so exact logit equality is not
+the target; agreement and KL are."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from corpus import CORPUS, TOKENIZER_CASES  # noqa: E402
+from reference_forward import compare_logits  # noqa: E402
+
+llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    from localrun.models import DEFAULT_MODEL, pull
+    return pull(DEFAULT_MODEL, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    from localrun import LLM
+    return LLM(model_path, n_ctx=1024)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return llama_cpp.Llama(str(model_path), n_ctx=1024, n_batch=512, logits_all=True,
+                           n_threads=2, verbose=False)
+
+
+@pytest.mark.parametrize("add_special", [True, False])
+def test_tokenization_identical(llm, reference, add_special):
+    for text in TOKENIZER_CASES:
+        expected = reference.tokenize(text.encode(), add_bos=add_special, special=True)
+        assert llm.tokenize(text, add_special=add_special) == expected, text
+
+
+def test_detokenize_round_trip(llm):
+    for text in TOKENIZER_CASES:
+        assert llm.detokenize(llm.tokenize(text, add_special=False)) == text
+
+
+def test_chat_prompt_has_one_bos(llm):
+    """SmolLM2's BOS is <|im_start|>, which its template also writes: it must appear once."""
+    ids = llm.chat_prompt_ids([{"role": "user", "content": "Hi"}])
+    bos = llm.tokenizer.bos_id
+    assert ids[0] == bos and ids[1] != bos
+    text = llm.tokenizer.decode(ids, special=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), text
+
+
+def test_teacher_forced_agreement_with_llama_cpp(llm, reference):
+    ids = llm.tokenize(CORPUS)
+    assert len(ids) >= 200
+    ids = ids[:400]
+    reference.reset()
+    reference.eval(ids)
+    expected = np.array(reference.scores[:len(ids)], dtype=np.float64)
+    got = llm.logits(ids).numpy()
+    cmp = compare_logits(expected, got)
+    print(f"\nSmolLM2 vs llama.cpp over {len(ids)} positions: top-1 {cmp.top1_agreement:.3f}, "
+          f"mean KL {cmp.mean_kl:.4f}, max |diff| {cmp.max_abs_diff:.2f}")
+    assert cmp.top1_agreement >= 0.95, cmp
+    assert cmp.mean_kl <= 0.01, cmp
+
+
+def test_greedy_text_is_sensible(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                   max_tokens=16, temperature=0)
+    assert "Paris" in out.text, out.text
+    assert out.finish_reason in ("stop", "length") and out.timings["prompt_tokens"] > 10
