@@ -22,6 +22,28 @@ FOREIGN = ("Der schnelle braune Fuchs springt über den faulen Hund. Le cœur a 
            "raison ne connaît point. El niño comió una manzana. 東京は日本の首都です。 Привет, мир! ")
 EMOJI = "Weather today: ☀️ then 🌧️, later 🌈. Café, naïve, façade — “quotes” and ‘apostrophes’…\t\ttabs   and    spaces\n\n\n"
 
+PROSE_2 = (
+    "Bread is one of the oldest prepared foods. Flour and water are mixed into a dough, which "
+    "is left to rise before it is baked; yeast turns sugars into carbon dioxide, and the gas "
+    "bubbles give the loaf its soft crumb. Sourdough relies on wild yeast and bacteria, which "
+    "add a slightly sour taste. Bakers have argued for centuries about the best flour to use. "
+)
+CODE_2 = """SELECT customer_id, COUNT(*) AS orders, SUM(total) AS revenue
+FROM orders
+WHERE created_at >= '2024-01-01'
+GROUP BY customer_id
+HAVING COUNT(*) > 3
+ORDER BY revenue DESC;
+
+const add = (a, b) => a + b;
+console.log([1, 2, 3].map(x => add(x, 10)));
+"""
+NUMBERS_2 = ("| year | revenue | growth |\n|------|---------|--------|\n| 2021 | 1,204 | 4.5% |\n"
+             "| 2022 | 1,388 | 15.3% |\n| 2023 | 1,512 | 8.9% |\n")
+
+# teacher-forced fidelity text: prose, code, numbers and non-English (the tokenizer cases
+# below add emoji and whitespace runs)
+FIDELITY_TEXT = PROSE + CODE + NUMBERS + FOREIGN + PROSE_2 + CODE_2 + NUMBERS_2
 CORPUS = PROSE + CODE + NUMBERS + FOREIGN + EMOJI
 
 TOKENIZER_CASES = [

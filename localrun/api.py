@@ -87,8 +87,10 @@ class LLM:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special)
 
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+    def detokenize(self, ids: list[int], special: bool = True) -> str:
+        """Text of token ids; control tokens such as <|im_start|> are written out unless
+        special=False, so detokenize(tokenize(text)) == text."""
+        return self.tokenizer.decode(self._check_ids(ids), special=special)
 
     def reset(self) -> None:
         """Forget the cached prefix (the next prompt is computed from scratch)."""

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from localrun.cli_plan import plan
 from localrun.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -187,16 +188,7 @@ def models():
     out.print(files)
 
 
-def _register_optional_commands():
-    """Commands that live in their own modules (added by later issues)."""
-    try:
-        from localrun.cli_plan import plan
-    except ImportError:
-        return
-    app.command("plan")(plan)
-
-
-_register_optional_commands()
+app.command("plan")(plan)
 
 
 def main():

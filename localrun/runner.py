@@ -103,6 +103,7 @@ class SequenceRunner:
             history.append(token)
             timeline.finish = time.perf_counter()
             yield token
-            if token in stop_ids and not params.ignore_eos or len(history) >= self.n_ctx:
+            last = i == params.max_tokens - 1
+            if last or token in stop_ids and not params.ignore_eos or len(history) >= self.n_ctx:
                 return
             logits = self.forward([token], len(history) - 1)[-1]

@@ -42,11 +42,28 @@ class Tokenizer:
 
     @cached_property
     def _pieces(self) -> list[bytes]:
-        return [self._llama._model.token_to_piece(i, special=False) for i in range(self.n_vocab)]
+        return self._piece_table(special=False)
 
     @cached_property
     def _special_pieces(self) -> list[bytes]:
-        return [self._llama._model.token_to_piece(i, special=True) for i in range(self.n_vocab)]
+        return self._piece_table(special=True)
+
+    def _piece_table(self, *, special: bool) -> list[bytes]:
+        """Every token's bytes via llama_token_to_piece (which returns the length, or minus
+        the size it needs when the buffer is too small)."""
+        import ctypes
+        size = 64
+        buf = ctypes.create_string_buffer(size)
+        table = []
+        for i in range(self.n_vocab):
+            n = self._lib.llama_token_to_piece(self._vocab, i, buf, size, 0, special)
+            if n < 0:
+                big = ctypes.create_string_buffer(-n)
+                n = self._lib.llama_token_to_piece(self._vocab, i, big, -n, 0, special)
+                table.append(big.raw[:n])
+            else:
+                table.append(buf.raw[:n])
+        return table
 
     @property
     def bos_id(self) -> int | None:

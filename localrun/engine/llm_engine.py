@@ -72,7 +72,7 @@ class LLMEngine:
         if block_size < 1:
             raise UserError(f"block_size must be at least 1, got {block_size}.")
         devices = [layer.attention.wqkv.device for layer in model.layers]
-        element_bytes = kv_bytes_per_element(kv_type, config.head_dim)
+        element_bytes = kv_bytes_per_element(kv_type, config.head_dim, block_size)
         self.bytes_per_token = kv_bytes_per_token(config.n_layers, config.n_head_kv, config.head_dim,
                                                   element_bytes)
         self.num_blocks = self._num_blocks(num_blocks, kv_budget_bytes, block_size, max_num_seqs, devices,

@@ -32,7 +32,7 @@ class ModelRunner:
         """One Segment per entry: its rows of the flat batch and its view of the KV pool."""
         starts = batch.query_start_locs()
         return [Segment(start=starts[i], length=e.num_new_tokens, cache_start=e.start_position,
-                        cache=self.kv_cache.sequence_view(e.seq.block_table, e.end_position))
+                        cache=self.kv_cache.sequence_view(e.seq.block_table))
                 for i, e in enumerate(batch.entries)]
 
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -1,32 +1,34 @@
 """Paged KV storage: every sequence's keys and values in one pool of fixed-size blocks per layer.
 
-Layer l holds K and V as (num_blocks * block_size, n_kv, hd) tensors on that layer's device,
-allocated once. Slot s = block_id * block_size + offset holds one token's K/V for every KV
-head. A sequence reaches its tokens through its block table: the token at position p lives in
-slot `block_table[p // block_size] * block_size + p % block_size` (the BlockManager's rule).
+Layer l holds K and V each as a (num_blocks * block_size, n_kv, hd) tensor on that layer's
+device, allocated once. Slot s = block_id * block_size + offset holds one token's vectors for
+every KV head. A sequence reaches its tokens through its block table: the token at position p
+lives in slot `block_table[p // block_size] * block_size + p % block_size` (the BlockManager's
+rule), so reading a sequence is gathering its blocks in table order.
 
 `PagedSequenceView` gives one sequence the `update(layer, start, k, v) -> (k_all, v_all)`
-contract of `ContiguousKVCache`: write the new tokens at their slots, then gather positions
-0..start+t-1 back as (n_kv, L, hd). The gather is the plain reference path; a paged-attention
-kernel that reads through the block table can replace `gather` without touching the layout.
+contract of `ContiguousKVCache`: write the new tokens, then gather positions 0..start+t-1 back
+as (n_kv, L, hd). That gather is the plain reference path; a paged-attention kernel reading
+through the block table can replace `PagedKVCache.gather` without touching the layout.
 
-KV types (`kv_type`): "f32", "bf16", "f16" store the values as they are; "int8" and "fp8"
-(float8_e4m3fn) quantize each token's head vector with its own float32 scale on write
-(absmax / 127 or / 448) and dequantize into the compute dtype on read.
+KV types (`kv_type`): "f32", "bf16", "f16" store values as they are. "fp8" (float8_e4m3fn)
+and "int8" quantize on write and dequantize into the compute dtype on read: fp8 K and V, and
+int8 V, with one float32 scale per token per head (absmax / 448 or / 127); int8 K with one
+scale per block per channel, because keys have outlier channels that a per-token scale
+would let swamp the rest (SmolLM2: next-token KL vs f32 KV 8e-4 per token, 2e-4 per channel).
+A write into a partly filled block requantizes the block's earlier tokens with the new scale.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from localrun.errors import UserError
 
 FLOAT_KV_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-QUANTIZED_KV_TYPES = ("int8", "fp8")
-KV_TYPES = (*FLOAT_KV_TYPES, *QUANTIZED_KV_TYPES)
-SCALE_BYTES = 4                      # one float32 scale per token per KV head
+KV_TYPES = (*FLOAT_KV_TYPES, "int8", "fp8")
 INT8_MAX = 127.0
+SCALE_BYTES = 4                 # scales are float32
+MIN_SCALE = 1e-12               # an all-zero vector still gets a usable scale
 
 
 def default_kv_type(compute_dtype: torch.dtype) -> str:
@@ -38,7 +40,7 @@ def default_kv_type(compute_dtype: torch.dtype) -> str:
 
 
 def fp8_dtype() -> torch.dtype | None:
-    """torch.float8_e4m3fn where this torch has it and can cast to and from it, else None."""
+    """torch.float8_e4m3fn where this torch has it and casts to and from it, else None."""
     dtype = getattr(torch, "float8_e4m3fn", None)
     if dtype is None:
         return None
@@ -58,21 +60,107 @@ def check_kv_type(kv_type: str) -> str:
     return kv_type
 
 
-def kv_bytes_per_element(kv_type: str, head_dim: int) -> float:
-    """Bytes one K or V element costs in the pool, its share of the scale included."""
+def kv_bytes_per_element(kv_type: str, head_dim: int, block_size: int) -> float:
+    """Bytes one K or V element costs on average in the pool, scales included."""
     if kv_type in FLOAT_KV_TYPES:
         return FLOAT_KV_TYPES[kv_type].itemsize
-    return 1 + SCALE_BYTES / head_dim
+    per_token = 1 + SCALE_BYTES / head_dim
+    if kv_type == "fp8":
+        return per_token
+    return (per_token + 1 + SCALE_BYTES / block_size) / 2     # int8: V per token, K per channel
 
 
-@dataclass
-class LayerKV:
-    """One layer's pool. k, v: (num_slots, n_kv, hd); k_scale, v_scale: (num_slots, n_kv, 1)
-    float32 for the quantized types, else None."""
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
+class PlainStore:
+    """One layer's K (or V) as values: data (num_blocks * bs, n_kv, hd)."""
+
+    def __init__(self, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        # torch.empty: pages are committed when first written, so unused blocks cost no RAM;
+        # a slot is only read after the token at its position was written there
+        self.data = torch.empty(num_blocks * block_size, n_kv, head_dim, dtype=dtype, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data]
+
+    def slots(self, block_ids: torch.Tensor, offset: int, num_tokens: int) -> torch.Tensor:
+        """Slots of num_tokens tokens starting at offset in the first of block_ids."""
+        offsets = torch.arange(self.block_size, device=block_ids.device)
+        return (block_ids[:, None] * self.block_size + offsets).flatten()[offset:offset + num_tokens]
+
+    def blocks(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, self.block_size, *t.shape[1:])          # (num_blocks, bs, ...)
+
+    def write(self, block_ids: torch.Tensor, offset: int, x: torch.Tensor) -> None:
+        """x (t, n_kv, hd) at offset.. of block_ids (the blocks its positions fall in)."""
+        self.data[self.slots(block_ids, offset, x.shape[0])] = x.to(self.data.dtype)
+
+    def read(self, block_ids: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first num_tokens tokens of block_ids, in order: (num_tokens, n_kv, hd)."""
+        return self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens].to(dtype)
+
+
+class TokenScaledStore(PlainStore):
+    """Quantized values with one float32 scale per token per head: scale (num_blocks * bs, n_kv, 1).
+    fp8 values live as raw bytes (uint8) so that indexing works on every backend."""
+
+    def __init__(self, num_blocks, block_size, n_kv, head_dim, kv_type: str, device):
+        self.kv_type = kv_type
+        super().__init__(num_blocks, block_size, n_kv, head_dim,
+                         torch.int8 if kv_type == "int8" else torch.uint8, device)
+        self.scale = torch.empty(num_blocks * block_size, n_kv, 1, dtype=torch.float32, device=device)
+
+    def tensors(self):
+        return [self.data, self.scale]
+
+    def write(self, block_ids, offset, x):
+        x = x.float()
+        qmax = INT8_MAX if self.kv_type == "int8" else torch.finfo(fp8_dtype()).max
+        scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(MIN_SCALE)   # (t, n_kv, 1)
+        if self.kv_type == "int8":
+            q = (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        else:
+            q = (x / scale).to(fp8_dtype()).view(torch.uint8)
+        slots = self.slots(block_ids, offset, x.shape[0])
+        self.data[slots] = q
+        self.scale[slots] = scale
+
+    def read(self, block_ids, num_tokens, dtype):
+        q = self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
+        scale = self.blocks(self.scale).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
+        values = q.view(fp8_dtype()) if self.kv_type == "fp8" else q
+        return (values.float() * scale).to(dtype)                                 # (L, n_kv, hd)
+
+
+class ChannelScaledStore(PlainStore):
+    """int8 values with one float32 scale per block per channel: scale (num_blocks, n_kv, hd)."""
+
+    def __init__(self, num_blocks, block_size, n_kv, head_dim, device):
+        super().__init__(num_blocks, block_size, n_kv, head_dim, torch.int8, device)
+        self.scale = torch.empty(num_blocks, n_kv, head_dim, dtype=torch.float32, device=device)
+
+    def tensors(self):
+        return [self.data, self.scale]
+
+    def write(self, block_ids, offset, x):
+        # the written blocks belong to this sequence alone (shared blocks are full and never
+        # written), so whole blocks are rewritten: earlier tokens of the first block plus x
+        bs, t = self.block_size, x.shape[0]
+        blocks = self.blocks(self.data)                                         # (B, bs, n_kv, hd)
+        window = x.new_zeros((len(block_ids) * bs, *x.shape[1:]), dtype=torch.float32)
+        if offset:
+            first = block_ids[0]
+            window[:offset] = blocks[first, :offset].float() * self.scale[first]
+        window[offset:offset + t] = x.float()
+        window = window.view(len(block_ids), bs, *x.shape[1:])                   # (nb, bs, n_kv, hd)
+        scale = (window.abs().amax(1) / INT8_MAX).clamp_min(MIN_SCALE)           # (nb, n_kv, hd)
+        blocks[block_ids] = (window / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        self.scale[block_ids] = scale
+
+    def read(self, block_ids, num_tokens, dtype):
+        q = self.blocks(self.data).index_select(0, block_ids)                    # (nb, bs, n_kv, hd)
+        scale = self.scale.index_select(0, block_ids)[:, None]                  # (nb, 1, n_kv, hd)
+        return (q.float() * scale).flatten(0, 1)[:num_tokens].to(dtype)
 
 
 class PagedKVCache:
@@ -82,106 +170,64 @@ class PagedKVCache:
                  devices: list[torch.device] | None = None):
         self.kv_type = check_kv_type(kv_type)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.num_slots = num_blocks * block_size
-        self.n_head_kv, self.head_dim = n_head_kv, head_dim
         self.compute_dtype = compute_dtype
         self.devices = list(devices) if devices is not None else [torch.device("cpu")] * n_layers
         assert len(self.devices) == n_layers
-        # storage dtype: fp8 lives as raw bytes (uint8) so that indexing works on every backend
-        self.storage_dtype = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_type) or FLOAT_KV_TYPES[kv_type]
-        self.layers = [self._allocate(device) for device in self.devices]
+        shape = (num_blocks, block_size, n_head_kv, head_dim)
 
-    def _allocate(self, device: torch.device) -> LayerKV:
-        # torch.empty: pages are committed when first written, so unused blocks cost no RAM;
-        # a slot is only ever read after the token at its position was written there
-        shape = (self.num_slots, self.n_head_kv, self.head_dim)          # (S, n_kv, hd)
-        k = torch.empty(shape, dtype=self.storage_dtype, device=device)
-        v = torch.empty(shape, dtype=self.storage_dtype, device=device)
-        if self.kv_type in FLOAT_KV_TYPES:
-            return LayerKV(k, v)
-        scale_shape = (self.num_slots, self.n_head_kv, 1)                # (S, n_kv, 1)
-        return LayerKV(k, v, torch.empty(scale_shape, dtype=torch.float32, device=device),
-                       torch.empty(scale_shape, dtype=torch.float32, device=device))
+        def store(is_key: bool, device: torch.device) -> PlainStore:
+            if kv_type in FLOAT_KV_TYPES:
+                return PlainStore(*shape, FLOAT_KV_TYPES[kv_type], device)
+            if kv_type == "int8" and is_key:
+                return ChannelScaledStore(*shape, device)
+            return TokenScaledStore(*shape, kv_type, device)
+
+        self.layers = [(store(True, device), store(False, device)) for device in self.devices]
 
     @property
     def num_bytes(self) -> int:
         """Bytes the pool occupies once every slot is written, scales included."""
-        total = 0
-        for layer in self.layers:
-            for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
-                total += 0 if t is None else t.numel() * t.element_size()
-        return total
+        return sum(t.numel() * t.element_size()
+                   for k, v in self.layers for t in k.tensors() + v.tensors())
 
-    # --- quantize on write, dequantize on read ------------------------------------------------
-    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (t, n_kv, hd) in the compute dtype -> (stored values, scale (t, n_kv, 1) or None)."""
-        if self.kv_type in FLOAT_KV_TYPES:
-            return x.to(self.storage_dtype), None
-        x = x.float()
-        qmax = INT8_MAX if self.kv_type == "int8" else torch.finfo(fp8_dtype()).max
-        scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(1e-12)   # (t, n_kv, 1)
-        scaled = x / scale
-        if self.kv_type == "int8":
-            return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
-        return scaled.to(fp8_dtype()).view(torch.uint8), scale
+    def write(self, layer: int, block_ids: torch.Tensor, offset: int, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k, v (t, n_kv, hd) from slot offset of the first of block_ids onwards."""
+        k_store, v_store = self.layers[layer]
+        k_store.write(block_ids, offset, k)
+        v_store.write(block_ids, offset, v)
 
-    def _decode(self, stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """Inverse of _encode, into the compute dtype; stored (L, n_kv, hd)."""
-        if scale is None:
-            return stored.to(self.compute_dtype)
-        values = stored.view(fp8_dtype()) if self.kv_type == "fp8" else stored
-        return (values.float() * scale).to(self.compute_dtype)
+    def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int):
+        """The reference read path: K, V of the first num_tokens tokens held by block_ids,
+        as (n_kv, num_tokens, hd) in the compute dtype."""
+        k_store, v_store = self.layers[layer]
+        k = k_store.read(block_ids, num_tokens, self.compute_dtype)             # (L, n_kv, hd)
+        v = v_store.read(block_ids, num_tokens, self.compute_dtype)
+        return k.transpose(0, 1), v.transpose(0, 1)                             # (n_kv, L, hd)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (t, n_kv, hd) at slots (t,) of layer."""
-        pool = self.layers[layer]
-        k_stored, k_scale = self._encode(k)
-        v_stored, v_scale = self._encode(v)
-        pool.k[slots] = k_stored
-        pool.v[slots] = v_stored
-        if k_scale is not None:
-            pool.k_scale[slots] = k_scale
-            pool.v_scale[slots] = v_scale
-
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference read path: K, V at slots (L,) as (n_kv, L, hd) in the compute dtype."""
-        pool = self.layers[layer]
-        k = pool.k.index_select(0, slots)                                   # (L, n_kv, hd)
-        v = pool.v.index_select(0, slots)
-        k_scale = None if pool.k_scale is None else pool.k_scale.index_select(0, slots)
-        v_scale = None if pool.v_scale is None else pool.v_scale.index_select(0, slots)
-        k, v = self._decode(k, k_scale), self._decode(v, v_scale)
-        return k.transpose(0, 1), v.transpose(0, 1)                         # (n_kv, L, hd)
-
-    def sequence_view(self, block_table: list[int], num_tokens: int) -> PagedSequenceView:
-        """A view of one sequence's first num_tokens positions through its block table."""
-        assert num_tokens <= len(block_table) * self.block_size, "slots not allocated"
-        bs = self.block_size
-        table = torch.tensor(block_table, dtype=torch.long)
-        positions = torch.arange(num_tokens)
-        slots = table[positions // bs] * bs + positions % bs                # (num_tokens,)
-        return PagedSequenceView(self, slots)
+    def sequence_view(self, block_table: list[int]) -> PagedSequenceView:
+        return PagedSequenceView(self, torch.tensor(block_table, dtype=torch.long))
 
 
 class PagedSequenceView:
-    """One sequence's window on the pool with ContiguousKVCache's `update` contract."""
+    """One sequence's window on the pool, with ContiguousKVCache's `update` contract."""
 
-    def __init__(self, cache: PagedKVCache, slots: torch.Tensor):
+    def __init__(self, cache: PagedKVCache, block_table: torch.Tensor):
         self.cache = cache
-        self.slots = slots                         # (num_tokens,) slot of each position, on CPU
-        self._slots_on: dict[torch.device, torch.Tensor] = {}
+        self.block_table = block_table          # (num_blocks,) on the CPU
+        self._tables: dict[torch.device, torch.Tensor] = {}
 
-    def _slots(self, layer: int) -> torch.Tensor:
+    def _table(self, layer: int) -> torch.Tensor:
         device = self.cache.devices[layer]
-        if device not in self._slots_on:
-            self._slots_on[device] = self.slots.to(device)
-        return self._slots_on[device]
+        if device not in self._tables:
+            self._tables[device] = self.block_table.to(device)
+        return self._tables[device]
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (t, n_kv, hd) at positions start..start+t-1 and return this layer's keys
         and values for positions 0..start+t-1 as (n_kv, start+t, hd)."""
-        end = start + k.shape[0]
-        assert end <= self.slots.shape[0], "positions past the view's allocated slots"
-        slots = self._slots(layer)
-        self.cache.write(layer, slots[start:end], k, v)
-        return self.cache.gather(layer, slots[:end])
+        bs, end = self.cache.block_size, start + k.shape[0]
+        assert end <= len(self.block_table) * bs, "positions past the allocated blocks"
+        table = self._table(layer)
+        self.cache.write(layer, table[start // bs:-(-end // bs)], start % bs, k, v)
+        return self.cache.gather(layer, table[:-(-end // bs)], end)
