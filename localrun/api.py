@@ -1,6 +1,7 @@
 """The public Python API: `localrun.LLM`."""
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -10,12 +11,13 @@ from functools import cached_property
 import torch
 
 from localrun.chat_template import render_chat
+from localrun.engine.llm_engine import LLMEngine
 from localrun.errors import UserError
 from localrun.gguf_file import open_gguf
 from localrun.loader import load_weights
 from localrun.model.llama import Transformer
 from localrun.models import resolve_model
-from localrun.runner import SequenceRunner, Timeline
+from localrun.runner import SequenceRunner
 from localrun.sampling import SamplingParams
 from localrun.text_stream import TextStream
 from localrun.tokenizer import Tokenizer
@@ -56,6 +58,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *, n_ctx: int | None = None,
                  n_threads: int | None = None, dtype: torch.dtype | str | None = None,
+                 n_parallel: int = 4, kv_type: str | None = None, enable_prefix_caching: bool = True,
                  verbose: bool = False):
         self.model_path = resolve_model(model)
         self.file = open_gguf(self.model_path)
@@ -72,7 +75,13 @@ class LLM:
         weights = load_weights(self.file, self.dtype)
         self.model = Transformer(self.config, weights, max_positions=self.n_ctx)
         self.load_s = time.perf_counter() - t0
-        self.runner = SequenceRunner(self.model, self.n_ctx)
+        self.runner = SequenceRunner(self.model, self.n_ctx)   # reference path for logits()
+        if n_parallel < 1:
+            raise UserError(f"n_parallel must be >= 1, got {n_parallel}")
+        self.n_parallel, self.kv_type = n_parallel, kv_type
+        self.enable_prefix_caching = enable_prefix_caching
+        self._engine: LLMEngine | None = None
+        self._request_ids = itertools.count()
         self.verbose = verbose
 
     # -- tokens ---------------------------------------------------------------------------
@@ -93,8 +102,10 @@ class LLM:
         return self.tokenizer.decode(self._check_ids(ids), special=special)
 
     def reset(self) -> None:
-        """Forget the cached prefix (the next prompt is computed from scratch)."""
+        """Forget cached prefixes (the next prompt is computed from scratch)."""
         self.runner.cached_ids = []
+        if self._engine is not None:
+            self._engine.reset_prefix_cache()
 
     # -- logits ---------------------------------------------------------------------------
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -108,26 +119,26 @@ class LLM:
         return out.float()
 
     # -- generation -----------------------------------------------------------------------
-    def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], **kwargs):
         """Complete `prompt` (text or token ids). Keyword arguments are SamplingParams fields:
-        max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, ignore_eos."""
-        pieces = []
-        result = None
-        for piece in self._run(prompt, kwargs):
-            if isinstance(piece, GenerationResult):
-                result = piece
-            else:
-                pieces.append(piece)
-        return result
+        max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, ignore_eos.
+        A list of prompts runs them together (continuous batching) and returns a list."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            results: dict[int, GenerationResult] = {}
+            for item in self._run(list(prompt), kwargs):
+                if isinstance(item[1], GenerationResult):
+                    results[item[0]] = item[1]
+            return [results[i] for i in range(len(prompt))]
+        return next(r for _, r in self._run([prompt], kwargs) if isinstance(r, GenerationResult))
 
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Yield text pieces as they are generated (never a broken UTF-8 character).
         After the loop, `self.last_result` holds the GenerationResult."""
-        for piece in self._run(prompt, kwargs):
-            if isinstance(piece, GenerationResult):
-                self.last_result = piece
-            elif piece:
-                yield piece
+        for _, item in self._run([prompt], kwargs):
+            if isinstance(item, GenerationResult):
+                self.last_result = item
+            elif item:
+                yield item
 
     def chat(self, messages: list[dict], *, stream: bool = False, **kwargs):
         """Reply to a conversation ([{role, content}, ...]) through the model's chat template.
@@ -145,41 +156,81 @@ class LLM:
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return tok.encode(text, add_special=add_bos)
 
-    def _run(self, prompt, kwargs) -> Iterator:
-        arrival = time.perf_counter()
+    @property
+    def engine(self) -> LLMEngine:
+        """The paged, continuously batched engine (built on first use: it needs the tokenizer's
+        end-of-generation ids)."""
+        if self._engine is None:
+            self._engine = LLMEngine(self.model, tokenizer_eog_ids=tuple(self.tokenizer.eog_ids),
+                                     max_model_len=self.n_ctx, kv_type=self.kv_type,
+                                     max_num_seqs=self.n_parallel, clock=time.perf_counter,
+                                     enable_prefix_caching=self.enable_prefix_caching)
+        return self._engine
+
+    def _params(self, kwargs) -> SamplingParams:
         kwargs = dict(kwargs)
-        if isinstance(kwargs.get("stop"), str):
-            kwargs["stop"] = (kwargs["stop"],)
-        elif kwargs.get("stop") is not None:
-            kwargs["stop"] = tuple(kwargs["stop"])
-        else:
-            kwargs.pop("stop", None)
+        stop = kwargs.pop("stop", None)
+        if stop is not None:
+            kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         try:
-            params = SamplingParams(**kwargs)
+            return SamplingParams(**kwargs)
         except TypeError as e:
             raise UserError(f"unknown generation option: {e}") from None
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
-        if not ids:
-            raise UserError("the prompt is empty")
-        if len(ids) >= self.n_ctx:
-            raise UserError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
-                            f"shorten it or raise --ctx")
-        timeline = Timeline(arrival=arrival)
-        text = TextStream(self.tokenizer, params.stop)
-        stop_ids = self.tokenizer.eog_ids
-        out_ids, finish = [], "length"
-        for token in self.runner.generate(ids, params, stop_ids, timeline):
-            if token in stop_ids and not params.ignore_eos:
-                finish = "stop"
-                break
-            out_ids.append(token)
-            yield text.feed(token)
-            if text.stopped:
-                finish = "stop"
-                break
-        yield text.finish()
-        timeline.finish = time.perf_counter() if not timeline.finish else timeline.finish
-        yield GenerationResult(text.text, out_ids, finish, timeline.timings())
+
+    def _run(self, prompts: list, kwargs) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Run prompts through the engine; yield (prompt index, text piece), and at the end of
+        each request (prompt index, GenerationResult)."""
+        arrival = time.perf_counter()
+        params = self._params(kwargs)
+        engine, eog = self.engine, self.tokenizer.eog_ids
+        requests = {}
+        for i, prompt in enumerate(prompts):
+            ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
+            if not ids:
+                raise UserError("the prompt is empty")
+            if len(ids) >= self.n_ctx:
+                raise UserError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
+                                f"shorten it or raise --ctx")
+            requests[f"req-{next(self._request_ids)}"] = (i, ids)
+        texts = {rid: TextStream(self.tokenizer, params.stop) for rid in requests}
+        out_ids = {rid: [] for rid in requests}
+        try:
+            for rid, (_, ids) in requests.items():
+                engine.add_request(rid, ids, params, arrival_time=arrival)
+            pending = set(requests)
+            while pending:
+                for out in engine.step():
+                    rid = out.seq.request_id
+                    if rid not in pending:
+                        continue
+                    index, text = requests[rid][0], texts[rid]
+                    if out.token_id is not None and not (out.token_id in eog and not params.ignore_eos):
+                        out_ids[rid].append(out.token_id)
+                        piece = text.feed(out.token_id)
+                        if piece:
+                            yield index, piece
+                        if text.stopped and not out.finished:
+                            engine.finish_request(rid, "stop")
+                            out = out._replace(finished=True)
+                    if out.finished:
+                        pending.discard(rid)
+                        tail = text.finish()
+                        if tail:
+                            yield index, tail
+                        finish = "stop" if text.stopped or out.seq.finish_reason == "stop" else "length"
+                        yield index, GenerationResult(text.text, out_ids[rid], finish, self._timings(out.seq))
+        finally:   # Ctrl-C or an abandoned stream: free the requests' blocks
+            for rid in requests:
+                engine.abort(rid)
+
+    @staticmethod
+    def _timings(seq) -> dict:
+        t = seq.timings()
+        computed = t["prompt_tokens"] - (t["cached_tokens"] or 0)
+        t["prefill_tok_s"] = computed / t["prefill_s"] if t.get("prefill_s") else None
+        for key in ("queue_s", "prefill_s", "ttft_s", "decode_tok_s"):
+            t[key] = t[key] or 0.0
+        return t
 
     def _check_ids(self, ids) -> list[int]:
         ids = [int(i) for i in ids]

@@ -1,8 +1,9 @@
-"""One sequence at a time on a contiguous KV cache, with prefix reuse across calls.
+"""The reference path: one sequence at a time on a contiguous KV cache.
 
-The cache remembers the tokens it holds; a new prompt that starts with them (the next chat
-turn, which repeats the earlier turns and the model's replies) computes only the rest. The
-engine-core issue replaces this runner with the paged, continuously batched engine."""
+`LLM.logits` runs here (it needs every position's logits), and the tests use `generate` as
+the plain reference that the paged, continuously batched engine (localrun/engine/) must
+match token for token. The cache remembers the tokens it holds; a prompt that starts with
+them computes only the rest."""
 from __future__ import annotations
 
 import time

@@ -87,14 +87,27 @@ def test_greedy_generation_follows_argmax(tiny_gguf):
 
 
 def test_prefix_reuse_across_calls(tiny_gguf):
+    """The next call (a chat turn repeating the prompt and the reply) reuses the full KV
+    blocks of the first, generated tokens included, and gives the same tokens as a fresh model."""
     llm = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1)
-    first = llm.generate(IDS[:8], max_tokens=4, temperature=0, ignore_eos=True)
-    follow = IDS[:8] + first.token_ids + [9, 10, 11]
+    prompt = (IDS * 3)[:40]
+    first = llm.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    follow = prompt + first.token_ids + [9, 10, 11, 12, 13]
     second = llm.generate(follow, max_tokens=4, temperature=0, ignore_eos=True)
-    # all but the last generated token (never fed back) is in the cache
-    assert second.timings["cached_tokens"] == 8 + 3
+    # 40 prompt + 7 fed-back generated tokens have KV: two full 16-token blocks are cached
+    assert first.timings["cached_tokens"] == 0
+    assert second.timings["cached_tokens"] == 32
     fresh = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1)
     assert fresh.generate(follow, max_tokens=4, temperature=0, ignore_eos=True).token_ids == second.token_ids
+
+
+def test_batch_of_prompts_equals_one_by_one(tiny_gguf):
+    llm = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1)
+    prompts = [IDS[:5], IDS[2:14], (IDS * 2)[:27]]
+    together = llm.generate(prompts, max_tokens=6, temperature=0, ignore_eos=True)
+    llm.reset()
+    alone = [llm.generate(p, max_tokens=6, temperature=0, ignore_eos=True).token_ids for p in prompts]
+    assert [r.token_ids for r in together] == alone
 
 
 def test_seeded_sampling_is_reproducible(tiny_gguf):

@@ -108,11 +108,12 @@ class LLMEngine:
             num_tokens = int(kv_budget_bytes // self.bytes_per_token)
         else:
             num_tokens = default_num_tokens(devices, bytes_per_layer_token)
-        num_tokens = min(num_tokens, max_num_seqs * self.max_model_len)
-        if num_tokens < self.max_model_len:
-            raise UserError(f"The KV budget holds {num_tokens} tokens, fewer than the context length "
-                            f"{self.max_model_len}; give the KV cache more memory or lower the context.")
-        return -(-num_tokens // block_size)
+        num_blocks = min(num_tokens // block_size, -(-max_num_seqs * self.max_model_len // block_size))
+        if num_blocks * block_size < self.max_model_len:
+            raise UserError(f"The KV budget holds {num_blocks * block_size} tokens, fewer than the "
+                            f"context length {self.max_model_len}; give the KV cache more memory or "
+                            f"lower the context.")
+        return num_blocks
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,

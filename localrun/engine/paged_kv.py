@@ -9,7 +9,9 @@ rule), so reading a sequence is gathering its blocks in table order.
 `PagedSequenceView` gives one sequence the `update(layer, start, k, v) -> (k_all, v_all)`
 contract of `ContiguousKVCache`: write the new tokens, then gather positions 0..start+t-1 back
 as (n_kv, L, hd). That gather is the plain reference path; a paged-attention kernel reading
-through the block table can replace `PagedKVCache.gather` without touching the layout.
+through the block table can replace `PagedKVCache.gather` without touching the layout. One
+fast path exists already: float K/V of a sequence whose blocks are consecutive are returned
+as a slice of the pool (no copy), as the contiguous cache does.
 
 KV types (`kv_type`): "f32", "bf16", "f16" store values as they are. "fp8" (float8_e4m3fn)
 and "int8" quantize on write and dequantize into the compute dtype on read: fp8 K and V, and
@@ -19,6 +21,8 @@ would let swamp the rest (SmolLM2: next-token KL vs f32 KV 8e-4 per token, 2e-4 
 A write into a partly filled block requantizes the block's earlier tokens with the new scale.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +74,22 @@ def kv_bytes_per_element(kv_type: str, head_dim: int, block_size: int) -> float:
     return (per_token + 1 + SCALE_BYTES / block_size) / 2     # int8: V per token, K per channel
 
 
+class WriteTarget(NamedTuple):
+    """Where t new tokens go: their slots (t,), and the blocks they fall in (nb,) with the
+    first token at `offset` of the first block. Computed once per forward, shared by layers."""
+    slots: torch.Tensor
+    block_ids: torch.Tensor
+    offset: int
+
+
+class AccessPlan(NamedTuple):
+    """One forward's access of one sequence on one device: where the new tokens go, the blocks
+    holding all its tokens (nb,), and their first slot if those are consecutive (else None)."""
+    target: WriteTarget
+    blocks: torch.Tensor
+    first_slot: int | None
+
+
 class PlainStore:
     """One layer's K (or V) as values: data (num_blocks * bs, n_kv, hd)."""
 
@@ -83,21 +103,20 @@ class PlainStore:
     def tensors(self) -> list[torch.Tensor]:
         return [self.data]
 
-    def slots(self, block_ids: torch.Tensor, offset: int, num_tokens: int) -> torch.Tensor:
-        """Slots of num_tokens tokens starting at offset in the first of block_ids."""
-        offsets = torch.arange(self.block_size, device=block_ids.device)
-        return (block_ids[:, None] * self.block_size + offsets).flatten()[offset:offset + num_tokens]
-
     def blocks(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, self.block_size, *t.shape[1:])          # (num_blocks, bs, ...)
 
-    def write(self, block_ids: torch.Tensor, offset: int, x: torch.Tensor) -> None:
-        """x (t, n_kv, hd) at offset.. of block_ids (the blocks its positions fall in)."""
-        self.data[self.slots(block_ids, offset, x.shape[0])] = x.to(self.data.dtype)
+    def write(self, target: WriteTarget, x: torch.Tensor) -> None:
+        """x (t, n_kv, hd) at target.slots."""
+        self.data.index_copy_(0, target.slots, x.to(self.data.dtype))
 
     def read(self, block_ids: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """The first num_tokens tokens of block_ids, in order: (num_tokens, n_kv, hd)."""
         return self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens].to(dtype)
+
+    def read_slots(self, first_slot: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """Fast path for a run of consecutive slots: a view, no copy. (num_tokens, n_kv, hd)"""
+        return self.data[first_slot:first_slot + num_tokens].to(dtype)
 
 
 class TokenScaledStore(PlainStore):
@@ -106,6 +125,7 @@ class TokenScaledStore(PlainStore):
 
     def __init__(self, num_blocks, block_size, n_kv, head_dim, kv_type: str, device):
         self.kv_type = kv_type
+        self.float8 = fp8_dtype() if kv_type == "fp8" else None
         super().__init__(num_blocks, block_size, n_kv, head_dim,
                          torch.int8 if kv_type == "int8" else torch.uint8, device)
         self.scale = torch.empty(num_blocks * block_size, n_kv, 1, dtype=torch.float32, device=device)
@@ -113,23 +133,22 @@ class TokenScaledStore(PlainStore):
     def tensors(self):
         return [self.data, self.scale]
 
-    def write(self, block_ids, offset, x):
+    def write(self, target, x):
         x = x.float()
-        qmax = INT8_MAX if self.kv_type == "int8" else torch.finfo(fp8_dtype()).max
+        qmax = INT8_MAX if self.float8 is None else torch.finfo(self.float8).max
         scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(MIN_SCALE)   # (t, n_kv, 1)
-        if self.kv_type == "int8":
+        if self.float8 is None:
             q = (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         else:
-            q = (x / scale).to(fp8_dtype()).view(torch.uint8)
-        slots = self.slots(block_ids, offset, x.shape[0])
-        self.data[slots] = q
-        self.scale[slots] = scale
+            q = (x / scale).to(self.float8).view(torch.uint8)
+        self.data.index_copy_(0, target.slots, q)
+        self.scale.index_copy_(0, target.slots, scale)
 
     def read(self, block_ids, num_tokens, dtype):
         q = self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
         scale = self.blocks(self.scale).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
-        values = q.view(fp8_dtype()) if self.kv_type == "fp8" else q
-        return (values.float() * scale).to(dtype)                                 # (L, n_kv, hd)
+        values = q if self.float8 is None else q.view(self.float8)
+        return values.float().mul_(scale).to(dtype)   # in place: a mixed-dtype mul is 10x slower
 
 
 class ChannelScaledStore(PlainStore):
@@ -142,10 +161,10 @@ class ChannelScaledStore(PlainStore):
     def tensors(self):
         return [self.data, self.scale]
 
-    def write(self, block_ids, offset, x):
+    def write(self, target, x):
         # the written blocks belong to this sequence alone (shared blocks are full and never
         # written), so whole blocks are rewritten: earlier tokens of the first block plus x
-        bs, t = self.block_size, x.shape[0]
+        bs, t, block_ids, offset = self.block_size, x.shape[0], target.block_ids, target.offset
         blocks = self.blocks(self.data)                                         # (B, bs, n_kv, hd)
         window = x.new_zeros((len(block_ids) * bs, *x.shape[1:]), dtype=torch.float32)
         if offset:
@@ -160,15 +179,17 @@ class ChannelScaledStore(PlainStore):
     def read(self, block_ids, num_tokens, dtype):
         q = self.blocks(self.data).index_select(0, block_ids)                    # (nb, bs, n_kv, hd)
         scale = self.scale.index_select(0, block_ids)[:, None]                  # (nb, 1, n_kv, hd)
-        return (q.float() * scale).flatten(0, 1)[:num_tokens].to(dtype)
+        return q.float().mul_(scale).flatten(0, 1)[:num_tokens].to(dtype)
 
 
 class PagedKVCache:
 
     def __init__(self, *, num_blocks: int, block_size: int, n_layers: int, n_head_kv: int,
                  head_dim: int, kv_type: str, compute_dtype: torch.dtype,
-                 devices: list[torch.device] | None = None):
+                 devices: list[torch.device] | None = None, slice_fast_path: bool = True):
         self.kv_type = check_kv_type(kv_type)
+        # a sequence whose blocks are consecutive reads its float K/V as a view (no gather)
+        self.slice_fast_path = slice_fast_path and kv_type in FLOAT_KV_TYPES
         self.num_blocks, self.block_size = num_blocks, block_size
         self.compute_dtype = compute_dtype
         self.devices = list(devices) if devices is not None else [torch.device("cpu")] * n_layers
@@ -190,12 +211,11 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size()
                    for k, v in self.layers for t in k.tensors() + v.tensors())
 
-    def write(self, layer: int, block_ids: torch.Tensor, offset: int, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Store k, v (t, n_kv, hd) from slot offset of the first of block_ids onwards."""
+    def write(self, layer: int, target: WriteTarget, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (t, n_kv, hd) at target."""
         k_store, v_store = self.layers[layer]
-        k_store.write(block_ids, offset, k)
-        v_store.write(block_ids, offset, v)
+        k_store.write(target, k)
+        v_store.write(target, v)
 
     def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int):
         """The reference read path: K, V of the first num_tokens tokens held by block_ids,
@@ -203,6 +223,13 @@ class PagedKVCache:
         k_store, v_store = self.layers[layer]
         k = k_store.read(block_ids, num_tokens, self.compute_dtype)             # (L, n_kv, hd)
         v = v_store.read(block_ids, num_tokens, self.compute_dtype)
+        return k.transpose(0, 1), v.transpose(0, 1)                             # (n_kv, L, hd)
+
+    def read_slots(self, layer: int, first_slot: int, num_tokens: int):
+        """gather's fast path where the tokens sit in consecutive slots from first_slot."""
+        k_store, v_store = self.layers[layer]
+        k = k_store.read_slots(first_slot, num_tokens, self.compute_dtype)     # (L, n_kv, hd)
+        v = v_store.read_slots(first_slot, num_tokens, self.compute_dtype)
         return k.transpose(0, 1), v.transpose(0, 1)                             # (n_kv, L, hd)
 
     def sequence_view(self, block_table: list[int]) -> PagedSequenceView:
@@ -215,19 +242,34 @@ class PagedSequenceView:
     def __init__(self, cache: PagedKVCache, block_table: torch.Tensor):
         self.cache = cache
         self.block_table = block_table          # (num_blocks,) on the CPU
-        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._plans: dict[tuple, AccessPlan] = {}
 
-    def _table(self, layer: int) -> torch.Tensor:
+    def plan(self, layer: int, start: int, end: int) -> AccessPlan:
+        """How positions start..end-1 are written and 0..end-1 read on the layer's device.
+        Computed by the first layer of a forward, reused by the others."""
         device = self.cache.devices[layer]
-        if device not in self._tables:
-            self._tables[device] = self.block_table.to(device)
-        return self._tables[device]
+        key = (device, start, end)
+        if key not in self._plans:
+            bs = self.cache.block_size
+            assert end <= len(self.block_table) * bs, "positions past the allocated blocks"
+            positions = torch.arange(start, end)
+            slots = self.block_table[positions // bs] * bs + positions % bs       # (t,)
+            blocks = self.block_table[:-(-end // bs)]                               # (nb,)
+            first_block, first_slot = int(blocks[0]), None
+            consecutive = torch.equal(blocks, torch.arange(first_block, first_block + len(blocks)))
+            if self.cache.slice_fast_path and consecutive:
+                first_slot = first_block * bs
+            blocks = blocks.to(device)
+            target = WriteTarget(slots.to(device), blocks[start // bs:], start % bs)
+            self._plans[key] = AccessPlan(target, blocks, first_slot)
+        return self._plans[key]
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (t, n_kv, hd) at positions start..start+t-1 and return this layer's keys
         and values for positions 0..start+t-1 as (n_kv, start+t, hd)."""
-        bs, end = self.cache.block_size, start + k.shape[0]
-        assert end <= len(self.block_table) * bs, "positions past the allocated blocks"
-        table = self._table(layer)
-        self.cache.write(layer, table[start // bs:-(-end // bs)], start % bs, k, v)
-        return self.cache.gather(layer, table[:-(-end // bs)], end)
+        end = start + k.shape[0]
+        target, blocks, first_slot = self.plan(layer, start, end)
+        self.cache.write(layer, target, k, v)
+        if first_slot is not None:
+            return self.cache.read_slots(layer, first_slot, end)
+        return self.cache.gather(layer, blocks, end)
