@@ -24,12 +24,13 @@ err = Console(stderr=True, highlight=False)
 ModelArg = typer.Argument(None, help="A .gguf path or a catalog name (default: smollm2-135m).")
 CtxOpt = typer.Option(None, "--ctx", "-c", help="Context size in tokens (default: min(trained, 4096)).")
 ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: physical cores).")
+KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8 (default: compute dtype).")
 
 
-def _load(model, ctx, threads):
+def _load(model, ctx, threads, kv_type=None, parallel=1):
     from localrun.api import LLM
     with err.status("loading model..."):
-        return LLM(model, n_ctx=ctx, n_threads=threads)
+        return LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel)
 
 
 def _stats_line(t: dict) -> str:
@@ -44,9 +45,10 @@ def chat(model: Optional[str] = ModelArg,
          temperature: float = typer.Option(0.7, "--temperature", "--temp"),
          max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
          seed: Optional[int] = typer.Option(None, "--seed"),
-         ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt):
+         ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
+         kv_type: Optional[str] = KvTypeOpt):
     """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply."""
-    llm = _load(model, ctx, threads)
+    llm = _load(model, ctx, threads, kv_type, parallel=1)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     last = None
@@ -68,7 +70,11 @@ def chat(model: Optional[str] = ModelArg,
             out.print("[dim]history cleared[/dim]")
             continue
         if text == "/stats":
-            out.print(json.dumps(last, indent=2) if last else "[dim]no reply yet[/dim]")
+            engine = llm.engine.stats()
+            cache = {k: engine[k] for k in ("prefix_cache_hit_rate", "prefix_cache_hit_tokens",
+                                             "prefix_cache_query_tokens", "num_blocks_used",
+                                             "num_blocks_cached", "num_blocks_total", "kv_type")}
+            out.print_json(json.dumps({"last_reply": last, "kv_cache": cache}))
             continue
         if text.startswith("/"):
             out.print(f"[dim]unknown command {text}; use /reset, /stats or /exit[/dim]")
@@ -109,9 +115,10 @@ def generate(model: Optional[str] = ModelArg,
              stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
              ignore_eos: bool = typer.Option(False, "--ignore-eos"),
              as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-             ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt):
+             ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
+             kv_type: Optional[str] = KvTypeOpt):
     """One-shot completion of a prompt."""
-    llm = _load(model, ctx, threads)
+    llm = _load(model, ctx, threads, kv_type, parallel=1)
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)
     if as_json:

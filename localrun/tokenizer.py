@@ -3,10 +3,26 @@ are identical to llama.cpp's by construction, plus an incremental UTF-8-safe det
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
+import sys
 from functools import cached_property
 
 from localrun.errors import UserError
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence C-level writes to fd 2 for the duration (Python's sys.stderr is untouched)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class Tokenizer:
@@ -17,7 +33,8 @@ class Tokenizer:
             raise UserError("llama-cpp-python is not installed; run the set-up (make setup)") from None
         self._lib = llama_cpp
         try:
-            self._llama = llama_cpp.Llama(model_path=os.fspath(path), vocab_only=True, verbose=False)
+            with _quiet_stderr():   # llama.cpp logs context warnings even with verbose=False
+                self._llama = llama_cpp.Llama(model_path=os.fspath(path), vocab_only=True, verbose=False)
         except (ValueError, RuntimeError) as e:
             raise UserError(f"{path}: llama.cpp could not load the vocabulary ({e})") from None
         self._vocab = self._llama._model.vocab
