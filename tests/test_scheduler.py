@@ -357,3 +357,24 @@ def test_every_request_finishes_once_with_its_solo_output(requests, block_size, 
             assert (seq.generated_token_ids, seq.finish_reason) == (expected_tokens, expected_reason)
             t = seq.timeline
             assert t.arrival <= t.first_scheduled <= t.prefill_done <= t.first_token <= t.finish
+
+
+def test_requests_sharing_a_prefix_in_flight_wait_for_its_blocks():
+    """Two requests with the same 8-token system prompt arrive together: the second is not
+    admitted beside the first (it would compute the shared blocks again); the step after,
+    it takes both blocks from the prefix cache. An unrelated request is admitted at once."""
+    scheduler, runner = make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    shared = [21, 22, 23, 24, 25, 26, 27, 28]
+    a = Sequence("a", shared + [1, 2], Params(max_tokens=3, ignore_eos=True))
+    b = Sequence("b", shared + [3, 4, 5], Params(max_tokens=3, ignore_eos=True))
+    c = Sequence("c", [40, 41, 42, 43, 44], Params(max_tokens=3, ignore_eos=True))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    batch, _ = step(scheduler, runner)
+    assert shape(batch) == [("a", 0, 10), ("c", 0, 5)]
+    batch, _ = step(scheduler, runner)
+    assert ("b", 8, 3) in shape(batch)
+    assert b.timeline.num_cached_tokens == 8
+    while scheduler.has_unfinished():
+        step(scheduler, runner)
+    assert b.generated_token_ids == reference_generate(b.prompt_token_ids, b.sampling_params, 10_000)[0]

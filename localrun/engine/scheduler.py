@@ -241,7 +241,10 @@ class Scheduler:
         for seq in candidates:
             if len(self.running) >= self.config.max_num_seqs or budget == 0:
                 break
-            num_new = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
+            num_cached = block_manager.num_cached_prefix_tokens(seq)
+            if self._prefix_in_flight(seq, num_cached):
+                continue   # wait a step or two and take those blocks from the cache instead
+            num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -257,6 +260,19 @@ class Scheduler:
                 seq.timeline.num_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             entries.append(self._entry(seq, num_new))
             budget -= num_new
+
+    def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+        """True when a running sequence is still prefilling the next full block of seq's prompt
+        (requests that arrive together with a shared system prompt): admitting seq now would
+        compute that block twice, while waiting lets it hit the prefix cache."""
+        if not self.block_manager.enable_prefix_caching:
+            return False
+        end = num_cached + self.block_manager.block_size
+        if end > seq.num_tokens - 1:       # the last token is always computed anyway
+            return False
+        head = seq.token_ids[:end]
+        return any(other.num_computed_tokens < end <= other.num_prompt_tokens
+                   and other.token_ids[:end] == head for other in self.running)
 
     def _entry(self, seq: Sequence, num_new: int) -> BatchEntry:
         start = seq.num_computed_tokens
