@@ -31,13 +31,10 @@ def default_threads() -> int:
 
 
 def default_dtype() -> torch.dtype:
-    """The compute dtype on this CPU: bf16 only where the hardware has bf16 dot products
-    (AVX512-BF16 or AMX); elsewhere torch emulates bf16 and float32 is several times faster."""
-    cpu = getattr(torch, "cpu", None)
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        check = getattr(cpu, probe, None)
-        if check is not None and check():
-            return torch.bfloat16
+    """float32. bf16 (dtype="bfloat16") makes prefill several times faster on CPUs with AMX
+    or AVX512-BF16, but it agrees less with llama.cpp (SmolLM2, 586 teacher-forced tokens:
+    top-1 95.05% and KL 0.0043 in bf16, against 95.6% and 0.0031 in float32), and on CPUs
+    without bf16 hardware torch emulates it and it is about 4x slower than float32."""
     return torch.float32
 
 
