@@ -80,32 +80,45 @@ def _median_seconds(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def fit_matvec(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
-    """(bytes/s, fixed seconds per call) of the line t = fixed + bytes / bandwidth through two
-    (bytes, seconds) matrix-vector timings."""
-    (b1, t1), (b2, t2) = small, large
-    if t2 <= t1:
+def fit_matvec(small: tuple[int, float, float], large: tuple[int, float, float]) -> tuple[float, float]:
+    """(bytes/s, fixed seconds per call) of t = calls * fixed + bytes / bandwidth through two
+    (calls, bytes, seconds) timings of decode-like passes over many weight matrices."""
+    (c1, b1, t1), (c2, b2, t2) = small, large
+    det = c1 * b2 - c2 * b1
+    if det == 0:
         return b2 / t2, 0.0
-    bandwidth = (b2 - b1) / (t2 - t1)
-    return bandwidth, max(0.0, t1 - b1 / bandwidth)
+    fixed = (t1 * b2 - t2 * b1) / det            # Cramer's rule on [c b] [fixed, 1/bw] = t
+    inv_bw = (c1 * t2 - c2 * t1) / det
+    if fixed < 0 or inv_bw <= 0:                 # noise: fall back to pure bandwidth
+        return b2 / t2, 0.0
+    return 1.0 / inv_bw, fixed
 
 
-# matrix-vector shapes (out, in): a small model's FFN matrix, and one far bigger than caches
-SMALL_MATVEC = (1536, 576)
-LARGE_MATVEC_BYTES = 256 << 20
+# Decode-like passes: a row of distinct matrices shaped like a transformer's (n x 4n, then 4n x n),
+# together far bigger than the caches, each multiplied by one vector in turn, as a decode step
+# streams its weights. A lone repeated matrix stays in cache and overstates the bandwidth (2-3x
+# on a 2-core AVX2 host), and a square matrix streams faster than the skinny ones models have.
+PASS_BYTES = 256 << 20
+SMALL_PASS_WIDTH, LARGE_PASS_WIDTH = 576, 2048
 MATMUL_TOKENS, MATMUL_SIDE = 512, 2048
 OPS_PER_LAYER = 40  # small tensor ops an eager PyTorch llama layer runs besides matmuls and attention
+
+
+def _pass_shapes(width: int, element_bytes: int) -> list[tuple[int, int]]:
+    count = max(2, PASS_BYTES // (4 * width * width * element_bytes))
+    return [(4 * width, width) if i % 2 == 0 else (width, 4 * width) for i in range(count)]
 
 
 def _measure_host_numpy(repeats: int) -> dict:
     import numpy as np
 
-    def matvec_seconds(n_out: int, n_in: int) -> tuple[float, float]:
-        w, x = np.ones((n_out, n_in), np.float32), np.ones(n_in, np.float32)
-        return w.nbytes, _median_seconds(lambda: w @ x, repeats)
+    def pass_seconds(width: int) -> tuple[int, int, float]:
+        ws = [np.ones(shape, np.float32) for shape in _pass_shapes(width, 4)]
+        xs = [np.ones(w.shape[1], np.float32) for w in ws]
+        seconds = _median_seconds(lambda: [w @ x for w, x in zip(ws, xs)], repeats)
+        return len(ws), sum(w.nbytes for w in ws), seconds
 
-    side = int((LARGE_MATVEC_BYTES // 4) ** 0.5)
-    bandwidth, overhead = fit_matvec(matvec_seconds(*SMALL_MATVEC), matvec_seconds(side, side))
+    bandwidth, overhead = fit_matvec(pass_seconds(SMALL_PASS_WIDTH), pass_seconds(LARGE_PASS_WIDTH))
     x, w = np.ones((MATMUL_TOKENS, MATMUL_SIDE), np.float32), np.ones((MATMUL_SIDE, MATMUL_SIDE), np.float32)
     flops = 2 * MATMUL_TOKENS * MATMUL_SIDE**2 / _median_seconds(lambda: x @ w, max(3, repeats // 2))
     return dict(host_bandwidth=bandwidth, host_flops=flops, host_matmul_overhead_s=overhead,
@@ -121,13 +134,14 @@ def _measure_host_torch(dtype: str, threads: int | None, repeats: int) -> dict:
     torch_dtype = getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(dtype, dtype))
     size = torch.empty((), dtype=torch_dtype).element_size()
 
-    def matvec_seconds(n_out: int, n_in: int) -> tuple[float, float]:
-        w, x = torch.ones(n_out, n_in, dtype=torch_dtype), torch.ones(1, n_in, dtype=torch_dtype)
-        return w.numel() * size, _median_seconds(lambda: F.linear(x, w), repeats)
+    def pass_seconds(width: int) -> tuple[int, int, float]:
+        ws = [torch.ones(shape, dtype=torch_dtype) for shape in _pass_shapes(width, size)]
+        xs = [torch.ones(1, w.shape[1], dtype=torch_dtype) for w in ws]
+        seconds = _median_seconds(lambda: [F.linear(x, w) for w, x in zip(ws, xs)], repeats)
+        return len(ws), sum(w.numel() for w in ws) * size, seconds
 
-    side = int((LARGE_MATVEC_BYTES // size) ** 0.5)
     with torch.inference_mode():
-        bandwidth, overhead = fit_matvec(matvec_seconds(*SMALL_MATVEC), matvec_seconds(side, side))
+        bandwidth, overhead = fit_matvec(pass_seconds(SMALL_PASS_WIDTH), pass_seconds(LARGE_PASS_WIDTH))
         x = torch.ones(MATMUL_TOKENS, MATMUL_SIDE, dtype=torch_dtype)
         w = torch.ones(MATMUL_SIDE, MATMUL_SIDE, dtype=torch_dtype)
         flops = 2 * MATMUL_TOKENS * MATMUL_SIDE**2 / _median_seconds(lambda: F.linear(x, w), max(3, repeats // 2))

@@ -148,8 +148,9 @@ def test_simulated_machine_from_flags():
 
 
 def test_matvec_fit_recovers_overhead_and_bandwidth():
-    # t = 50 us + bytes / 20 GB/s
-    small, large = (1e6, 50e-6 + 1e6 / 20e9), (256e6, 50e-6 + 256e6 / 20e9)
+    # t = calls * 50 us + bytes / 20 GB/s: 48 small matrices vs 4 large ones, ~256 MB each pass
+    small = (48, 254e6, 48 * 50e-6 + 254e6 / 20e9)
+    large = (4, 268e6, 4 * 50e-6 + 268e6 / 20e9)
     bandwidth, overhead = calibrate.fit_matvec(small, large)
     assert bandwidth == pytest.approx(20e9) and overhead == pytest.approx(50e-6)
 
