@@ -72,7 +72,6 @@ class LLM:
         weights = load_weights(self.file, self.dtype)
         self.model = Transformer(self.config, weights, max_positions=self.n_ctx)
         self.load_s = time.perf_counter() - t0
-        self.runner = SequenceRunner(self.model, self.n_ctx)   # reference path for logits()
         if n_parallel < 1:
             raise UserError(f"n_parallel must be >= 1, got {n_parallel}")
         self.n_parallel, self.kv_type = n_parallel, kv_type
@@ -98,9 +97,16 @@ class LLM:
         special=False, so detokenize(tokenize(text)) == text."""
         return self.tokenizer.decode(self._check_ids(ids), special=special)
 
+    @cached_property
+    def runner(self) -> SequenceRunner:
+        """The reference path behind logits(): a contiguous KV cache, allocated on first use
+        so that generation alone never pays for it."""
+        return SequenceRunner(self.model, self.n_ctx)
+
     def reset(self) -> None:
         """Forget cached prefixes (the next prompt is computed from scratch)."""
-        self.runner.cached_ids = []
+        if "runner" in self.__dict__:
+            self.runner.cached_ids = []
         if self._engine is not None:
             self._engine.reset_prefix_cache()
 
