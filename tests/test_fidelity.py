@@ -86,3 +86,15 @@ def test_greedy_text_is_sensible(llm):
                    max_tokens=16, temperature=0)
     assert "Paris" in out.text, out.text
     assert out.finish_reason in ("stop", "length") and out.timings["prompt_tokens"] > 10
+
+
+def test_stop_string_ends_generation_and_frees_blocks(llm):
+    prompt = "List the days of the week, one per line:\n"
+    full = llm.generate(prompt, max_tokens=24, temperature=0)
+    cut = len(full.text) // 2
+    stop = full.text[cut:cut + 4]
+    expected = full.text[:full.text.find(stop)]
+    out = llm.generate(prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert out.text == expected and out.finish_reason == "stop", (full.text, stop, out.text)
+    assert len(out.token_ids) < len(full.token_ids)
+    assert llm.engine.stats()["num_blocks_used"] == 0

@@ -123,3 +123,19 @@ def test_context_end_stops_generation(tiny_gguf):
     llm = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1, n_ctx=20)
     out = llm.generate(IDS[:15], max_tokens=50, temperature=0, ignore_eos=True)
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_abandoned_stream_frees_its_blocks(tiny_gguf):
+    """A consumer that stops reading a stream (Ctrl-C in chat, a client that goes away)
+    aborts its request: no KV block stays in use, and the next request runs normally."""
+    llm = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1)
+    stream = llm.stream((IDS * 3)[:40], max_tokens=50, temperature=0, ignore_eos=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    stats = llm.engine.stats()
+    assert stats["num_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    out = llm.generate(IDS[:6], max_tokens=5, temperature=0, ignore_eos=True)
+    assert len(out.token_ids) == 5
+
