@@ -149,7 +149,8 @@ def test_quantized_kv_types_take_fewer_bytes_and_more_blocks_per_budget(model):
     # tiny model: 2 layers * 2 KV heads * 64 dims * 2 (K and V) = 512 elements per token
     assert engines["f32"].bytes_per_token == 2048 and engines["bf16"].bytes_per_token == 1024
     assert engines["f32"].num_blocks == budget // (2048 * 16)
-    assert engines["int8"].bytes_per_token == 512 * (1 + (4 / 64 + 4 / 16) / 2)
+    # int8: V 1 byte + a 4-byte scale per 32 values; K 1 byte + a 4-byte scale per channel per 16-token block
+    assert engines["int8"].bytes_per_token == 512 * (1 + (4 / 32 + 4 / 16) / 2)
     assert engines["int8"].num_blocks > 3 * engines["f32"].num_blocks
     assert engines["int8"].kv_cache.num_bytes <= budget
 
