@@ -47,18 +47,12 @@ def worker(path: str, n_ctx: int, max_tokens: int) -> dict:
     import resource
 
     import localrun
-    from localrun.errors import UserError
 
     import torch  # noqa: F401  (part of the baseline, not of the model)
     before = _rss_bytes(trim=True)
     llm = localrun.LLM(path, n_ctx=n_ctx)
-    mode = "generate"
-    try:
-        result = llm.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True)
-        timings, prompt_tokens = result.timings, result.timings["prompt_tokens"]
-    except UserError as err:  # no tokenizer here (llama-cpp-python missing): drive the decode loop with ids
-        mode = f"runner with token ids ({err})"
-        timings, prompt_tokens = _run_with_ids(llm, max_tokens)
+    timings = llm.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True).timings
+    prompt_tokens = timings["prompt_tokens"]
     after_raw = _rss_bytes(trim=False)
     after = _rss_bytes(trim=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -66,20 +60,7 @@ def worker(path: str, n_ctx: int, max_tokens: int) -> dict:
             "peak_bytes": peak - before, "decode_tok_s": timings["decode_tok_s"],
             "prefill_tok_s": timings["prefill_tok_s"], "prompt_tokens": prompt_tokens,
             "generated_tokens": timings["generated_tokens"], "dtype": str(llm.dtype).removeprefix("torch."),
-            "threads": llm.n_threads, "mode": mode}
-
-
-def _run_with_ids(llm, max_tokens: int) -> tuple[dict, int]:
-    from localrun.runner import Timeline
-    from localrun.sampling import SamplingParams
-
-    ids = [1] + list(range(1000, 1031))  # a 32-token prompt
-    timeline = Timeline(arrival=time.perf_counter())
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    for _ in llm.runner.generate(ids, params, frozenset(), timeline):
-        pass
-    timeline.finish = time.perf_counter()
-    return timeline.timings(), len(ids)
+            "threads": llm.n_threads}
 
 
 def _run_worker(path: Path, n_ctx: int, max_tokens: int) -> dict:
@@ -155,12 +136,10 @@ def main() -> None:
         decode_ratio = f"{r['decode_ratio']:.2f}" if r["decode_ratio"] else "-"
         print(f"{r['n_ctx']:>6} {m['resident_bytes'] / mib:>13.1f} {p['resident_bytes'] / mib:>10.1f} "
               f"{r['memory_ratio']:>6.2f}   {m['decode_tok_s']:>12.2f} {p['decode_tok_s']:>10.2f} {decode_ratio:>6}")
-    print(f"(engine mode: {rows[0]['measured']['mode']})")
     memory_ok = all(abs(r["memory_ratio"] - 1) <= 0.10 for r in rows)
     decode_ok = all(r["decode_ratio"] and abs(r["decode_ratio"] - 1) <= 0.30 for r in rows)
     print(json.dumps({
         "model": MODEL, "dtype": rows[0]["measured"]["dtype"], "threads": rows[0]["measured"]["threads"],
-        "engine_mode": rows[0]["measured"]["mode"],
         "calibration": {"dtype": calibration.dtype, "backend": calibration.backend,
                         "host_bandwidth_gb_s": round(calibration.host_bandwidth / 1e9, 2),
                         "matvec_overhead_us": round(calibration.host_matmul_overhead_s * 1e6, 1),

@@ -6,7 +6,6 @@ match token for token. The cache remembers the tokens it holds; a prompt that st
 them computes only the rest."""
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,35 +14,6 @@ import torch
 from localrun.model.kv_cache import ContiguousKVCache
 from localrun.model.llama import Segment, Transformer
 from localrun.sampling import SamplingParams, make_generator, sample
-
-
-@dataclass
-class Timeline:
-    """Per-request timestamps (time.perf_counter) and counts."""
-    arrival: float = 0.0
-    prefill_start: float = 0.0
-    prefill_end: float = 0.0
-    first_token: float = 0.0
-    finish: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-
-    def timings(self) -> dict:
-        decode_s = self.finish - self.first_token
-        n_decode = self.generated_tokens - 1
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "generated_tokens": self.generated_tokens,
-            "queue_s": self.prefill_start - self.arrival,
-            "prefill_s": self.prefill_end - self.prefill_start,
-            "prefill_tok_s": (self.prompt_tokens - self.cached_tokens) / max(self.prefill_end - self.prefill_start, 1e-9),
-            "ttft_s": (self.first_token - self.arrival) if self.generated_tokens else 0.0,
-            "decode_s": decode_s if self.generated_tokens else 0.0,
-            "decode_tok_s": n_decode / decode_s if n_decode > 0 and decode_s > 0 else 0.0,
-            "total_s": self.finish - self.arrival,
-        }
 
 
 @dataclass
@@ -77,32 +47,24 @@ class SequenceRunner:
             n += 1
         return n
 
-    def prefill(self, ids: list[int], chunk: int = 512) -> tuple[torch.Tensor, int]:
-        """Compute the prompt (reusing the cached prefix) -> (last logits, cached token count)."""
+    def prefill(self, ids: list[int], chunk: int = 512) -> torch.Tensor:
+        """Compute the prompt (reusing the cached prefix) -> the last position's logits."""
         start = self.reusable_prefix(ids)
         self.cached_ids = self.cached_ids[:start]
         logits = None
         for i in range(start, len(ids), chunk):
             logits = self.forward(ids[i:i + chunk], i)
-        return logits[-1], start
+        return logits[-1]
 
-    def generate(self, ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
-                 timeline: Timeline) -> Iterator[int]:
+    def generate(self, ids: list[int], params: SamplingParams, stop_ids: frozenset[int]) -> Iterator[int]:
         """Yield sampled token ids until max_tokens, a stop token, or the context end.
         The caller may stop iterating early (stop string, Ctrl-C); the cache stays consistent."""
         generator = make_generator(params.seed)
-        timeline.prompt_tokens = len(ids)
-        timeline.prefill_start = time.perf_counter()
-        logits, timeline.cached_tokens = self.prefill(ids)
-        timeline.prefill_end = time.perf_counter()
+        logits = self.prefill(ids)
         history = list(ids)
         for i in range(params.max_tokens):
             token = sample(logits, params, generator, history)
-            if i == 0:
-                timeline.first_token = time.perf_counter()
-            timeline.generated_tokens += 1
             history.append(token)
-            timeline.finish = time.perf_counter()
             yield token
             last = i == params.max_tokens - 1
             if last or token in stop_ids and not params.ignore_eos or len(history) >= self.n_ctx:

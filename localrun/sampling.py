@@ -77,10 +77,10 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
-           recent: list[int] = ()) -> int:
+           recent: list[int] | tuple[int, ...] = ()) -> int:
     """One token id from next-token logits (V,) float32."""
-    logits = apply_repeat_penalty(logits, list(recent)[-p.repeat_last_n:] if p.repeat_last_n else [],
-                                  p.repeat_penalty)
+    if p.repeat_penalty != 1.0 and p.repeat_last_n:   # only then look at the history (per token)
+        logits = apply_repeat_penalty(logits, list(recent[-p.repeat_last_n:]), p.repeat_penalty)
     if p.greedy:
         return int(logits.argmax())
     logits = filter_logits(logits, p)

@@ -17,7 +17,7 @@ from localrun.engine.paged_kv import PagedKVCache
 from localrun.errors import UserError
 from localrun.model.kv_cache import ContiguousKVCache
 from localrun.model.llama import Segment
-from localrun.runner import SequenceRunner, Timeline
+from localrun.runner import SequenceRunner
 from localrun.sampling import SamplingParams
 
 EOS = 2                                   # <|im_end|> of the synthetic vocabulary
@@ -44,7 +44,7 @@ def model(tiny_gguf):
 def solo(model, prompt, params):
     """The request alone, through the single-sequence runner behind LLM.generate."""
     runner = SequenceRunner(model, model.freqs.shape[0])
-    return list(runner.generate(list(prompt), params, frozenset({EOS}), Timeline()))
+    return list(runner.generate(list(prompt), params, frozenset({EOS})))
 
 
 def make_engine(model, shuffle_seed=0, **options):
