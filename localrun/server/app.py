@@ -1,0 +1,326 @@
+"""`localrun serve`: the OpenAI-compatible HTTP API over one continuously batched engine.
+
+Handlers validate and tokenize on the event loop, then hand the request to the engine
+thread (`EngineLoop`) and relay its events: as SSE chunks (sse-starlette) for streams, as one
+JSON body otherwise. Every response carries the request's `timings` (queue, prefill, TTFT,
+decode speed, cached prompt tokens); streams carry them in the chunk with the finish reason.
+A client that goes away aborts its request, which frees its KV blocks at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from localrun.errors import UserError
+from localrun.sampling import SamplingParams
+from localrun.server.engine_loop import EngineLoop, Event, ServerRequest
+from localrun.server.metrics import ServerMetrics
+from localrun.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+
+log = logging.getLogger("localrun.server")
+
+MAX_BODY_BYTES = 8 * 2**20
+
+
+@dataclass
+class ServerConfig:
+    model_name: str                      # the id /v1/models reports
+    aliases: frozenset[str] = frozenset()    # other names a request may use for the model
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+def timings_ms(t: dict) -> dict:
+    """A sequence's timings in the response's units: *_s durations become *_ms."""
+    out = {}
+    for key, value in t.items():
+        if key.endswith("_s") and not key.endswith("tok_s"):
+            out[key[:-2] + "_ms"] = None if value is None else round(value * 1000, 3)
+        else:
+            out[key] = round(value, 3) if isinstance(value, float) else value
+    return out
+
+
+class Server:
+    """State shared by the handlers: the model, the engine thread, the metrics."""
+
+    def __init__(self, llm, config: ServerConfig):
+        self.llm, self.config = llm, config
+        engine = llm.engine
+        self.metrics = ServerMetrics(engine)
+        self.loop = EngineLoop(engine, llm.tokenizer, observer=self.metrics)
+        self.created = int(time.time())
+
+    # --- checks ------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name == self.config.model_name or name in self.config.aliases:
+            return self.config.model_name
+        raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                            f"'{self.config.model_name}'", code="model_not_found", param="model")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def sampling_params(self, body, prompt_ids: list[int]) -> SamplingParams:
+        n_ctx, n_prompt = self.llm.n_ctx, len(prompt_ids)
+        if n_prompt >= n_ctx:
+            raise APIError(400, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}; "
+                                "shorten it", code="context_length_exceeded", param="messages")
+        max_tokens = body.requested_max_tokens()
+        room = n_ctx - n_prompt
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"max_tokens is {max_tokens} but the context of {n_ctx} leaves room for "
+                                f"{room} tokens after the {n_prompt}-token prompt",
+                           code="context_length_exceeded", param="max_tokens")
+        try:
+            return SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
+        except UserError as e:
+            raise APIError(400, str(e)) from None
+
+    # --- prompts -------------------------------------------------------------------------
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            return self.llm.chat_prompt_ids(messages)
+        except UserError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.single_prompt()
+        try:
+            return self.llm.tokenize(prompt) if isinstance(prompt, str) else self.llm._check_ids(prompt)
+        except UserError as e:
+            raise APIError(400, str(e), param="prompt") from None
+
+    # --- running ---------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> ServerRequest:
+        request = ServerRequest(f"{prefix}-{uuid.uuid4().hex[:24]}", prompt_ids, params,
+                                asyncio.get_running_loop())
+        self.loop.submit(request)
+        return request
+
+    def log_request(self, request: ServerRequest, event: Event | None, status: str) -> None:
+        if event is None or event.timings is None:
+            log.info("%s %s prompt=%d", request.request_id, status, len(request.prompt_ids))
+            return
+        t = event.timings
+        log.info("%s %s finish=%s prompt=%d cached=%d generated=%d queue=%.0fms ttft=%.0fms "
+                 "decode=%.1ftok/s", request.request_id, status, event.finish_reason,
+                 t["prompt_tokens"], t["cached_tokens"] or 0, event.num_generated_tokens,
+                 (t["queue_s"] or 0) * 1000, (t["ttft_s"] or 0) * 1000, t["decode_tok_s"] or 0.0)
+
+
+def usage(event: Event) -> dict:
+    t = event.timings or {}
+    return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_generated_tokens,
+            "total_tokens": event.num_prompt_tokens + event.num_generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": t.get("cached_tokens") or 0}}
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(server: Server, http_request: Request, request: ServerRequest) -> tuple[str, Event]:
+    """Wait for a whole (non-streamed) completion; abort it if the client goes away."""
+    disconnect = asyncio.ensure_future(wait_for_disconnect(http_request))
+    pieces = []
+    try:
+        while True:
+            get = asyncio.ensure_future(request.events.get())
+            await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                server.loop.abort(request.request_id)
+                server.log_request(request, None, "client-disconnected")
+                raise asyncio.CancelledError
+            event = get.result()
+            if event.kind == "text":
+                pieces.append(event.text)
+            elif event.kind == "error":
+                raise APIError(503, event.message, type="server_error", code="engine_error")
+            else:
+                return "".join(pieces), event
+    finally:
+        disconnect.cancel()
+
+
+def create_app(llm, config: ServerConfig) -> FastAPI:
+    server = Server(llm, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    app = FastAPI(title="localrun", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):   # unknown route, wrong method
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("unexpected error")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        alive = server.loop._thread.is_alive()
+        body = {"status": "ok" if alive else "error", "model": config.model_name,
+                "requests_in_flight": server.loop.num_in_flight,
+                "kv_blocks_used": server.loop.engine.block_manager.num_used_blocks}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        server.check_auth(request)
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": server.created, "owned_by": "localrun",
+            "meta": {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab, "architecture": llm.config.architecture,
+                     "file": llm.model_path.name}}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        server.check_auth(request)
+        body = parse(ChatCompletionRequest, await server.read_body(request))
+        body.refuse_unsupported()
+        name = server.check_model(body.model)
+        prompt_ids = server.chat_prompt(body)
+        params = server.sampling_params(body, prompt_ids)
+        sreq = server.submit(prompt_ids, params, "chatcmpl")
+        created = int(time.time())
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+            return {"data": json.dumps({
+                "id": sreq.request_id, "object": "chat.completion.chunk", "created": created, "model": name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                **extra})}
+
+        if body.stream:
+            first = chunk({"role": "assistant", "content": ""})
+            return EventSourceResponse(stream_events(server, sreq, body, first, lambda text: chunk({"content": text}),
+                                                     lambda ev: chunk({}, ev.finish_reason,
+                                                                      timings=timings_ms(ev.timings)),
+                                                     "chat.completion.chunk", name, created),
+                                       ping=15)
+        text, event = await collect(server, request, sreq)
+        server.log_request(sreq, event, "ok")
+        return {"id": sreq.request_id, "object": "chat.completion", "created": created, "model": name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": event.finish_reason, "logprobs": None}],
+                "usage": usage(event), "timings": timings_ms(event.timings)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        server.check_auth(request)
+        body = parse(CompletionRequest, await server.read_body(request))
+        body.refuse_unsupported()
+        name = server.check_model(body.model)
+        prompt_ids = server.completion_prompt(body)
+        params = server.sampling_params(body, prompt_ids)
+        sreq = server.submit(prompt_ids, params, "cmpl")
+        created = int(time.time())
+
+        def chunk(text: str, finish: str | None = None, **extra) -> dict:
+            return {"data": json.dumps({
+                "id": sreq.request_id, "object": "text_completion", "created": created, "model": name,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                **extra})}
+
+        if body.stream:
+            return EventSourceResponse(stream_events(server, sreq, body, None, chunk,
+                                                     lambda ev: chunk("", ev.finish_reason,
+                                                                      timings=timings_ms(ev.timings)),
+                                                     "text_completion", name, created),
+                                       ping=15)
+        text, event = await collect(server, request, sreq)
+        server.log_request(sreq, event, "ok")
+        return {"id": sreq.request_id, "object": "text_completion", "created": created, "model": name,
+                "choices": [{"index": 0, "text": text, "finish_reason": event.finish_reason, "logprobs": None}],
+                "usage": usage(event), "timings": timings_ms(event.timings)}
+
+    return app
+
+
+async def stream_events(server: Server, sreq: ServerRequest, body, first: dict | None, text_chunk,
+                        final_chunk, object_name: str, model: str, created: int):
+    """SSE events of one streamed completion. sse-starlette cancels this generator when the
+    client disconnects (or the server shuts down); `finally` then aborts the request."""
+    done = False
+    try:
+        if first is not None:
+            yield first
+        while True:
+            event = await sreq.events.get()
+            if event.kind == "text":
+                yield text_chunk(event.text)
+            elif event.kind == "error":
+                done = True
+                yield {"data": json.dumps(APIError(503, event.message, type="server_error",
+                                                   code="engine_error").body())}
+                return
+            else:
+                done = True
+                server.log_request(sreq, event, "ok")
+                yield final_chunk(event)
+                if body.include_usage:
+                    yield {"data": json.dumps({"id": sreq.request_id, "object": object_name,
+                                               "created": created, "model": model, "choices": [],
+                                               "usage": usage(event)})}
+                yield {"data": "[DONE]"}
+                return
+    finally:
+        if not done:
+            server.loop.abort(sreq.request_id)
+            server.log_request(sreq, None, "client-disconnected")

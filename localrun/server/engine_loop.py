@@ -1,0 +1,184 @@
+"""One engine thread serving every HTTP request: continuous batching behind an asyncio API.
+
+The engine is not thread-safe, so exactly one thread (`EngineLoop._run`) touches it. HTTP
+handlers on the event loop `submit` a `ServerRequest` and read its events from an asyncio
+queue; they `abort` it when the client goes away. The engine thread adds new requests and
+drops aborted ones between steps, runs `engine.step()` while anything is unfinished, turns
+each sampled token into text (stop strings included) and hands the pieces back to the
+event loop with `call_soon_threadsafe`. Torch releases the GIL inside its kernels, so the
+event loop keeps serving while a step runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from localrun.errors import UserError
+from localrun.sampling import SamplingParams
+from localrun.text_stream import TextStream
+
+log = logging.getLogger("localrun.server")
+
+
+@dataclass
+class Event:
+    kind: str                      # "text" | "done" | "error"
+    text: str = ""
+    finish_reason: str | None = None
+    timings: dict | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    message: str = ""              # for "error"
+
+
+@dataclass(eq=False)
+class ServerRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    # engine-thread state
+    stream: TextStream | None = None
+    num_generated: int = 0
+    last_token_at: float | None = None
+
+    def put(self, event: Event) -> None:
+        """Thread-safe: hand an event to the handler waiting on the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:       # the loop is closed: the server is shutting down
+            pass
+
+
+class EngineLoop:
+    """Owns the engine thread. `observer` gets per-token and per-request callbacks (metrics)."""
+
+    IDLE_WAIT_S = 0.05
+
+    def __init__(self, engine, tokenizer, observer=None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eog = frozenset(tokenizer.eog_ids)
+        self.observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._requests: dict[str, ServerRequest] = {}     # engine thread only
+        self._thread = threading.Thread(target=self._run, name="localrun-engine", daemon=True)
+        self.healthy = True
+        self.last_error: str | None = None
+
+    # --- called from the event loop ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: ServerRequest) -> None:
+        self._commands.put(("add", request))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight and join the thread."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    # --- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(self.IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:       # never leave handlers waiting on a dead engine
+                log.exception("engine step failed")
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._fail_all(f"the engine failed: {self.last_error}")
+                continue
+            now = time.perf_counter()
+            for out in outputs:
+                self._handle(out, now)
+        for rid in list(self._requests):
+            self._finish_abort(rid, "the server is shutting down")
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort" and arg in self._requests:
+                self.engine.abort(arg)
+                del self._requests[arg]
+                if self.observer:
+                    self.observer.on_abort()
+
+    def _add(self, request: ServerRequest) -> None:
+        request.stream = TextStream(self.tokenizer, request.params.stop)
+        try:
+            self.engine.add_request(request.request_id, request.prompt_ids, request.params,
+                                    arrival_time=request.arrival)
+        except UserError as e:
+            request.put(Event("error", message=str(e)))
+            return
+        self._requests[request.request_id] = request
+
+    def _handle(self, out, now: float) -> None:
+        seq = out.seq
+        request = self._requests.get(seq.request_id)
+        if request is None:
+            return
+        params = request.params
+        if out.token_id is not None and not (out.token_id in self.eog and not params.ignore_eos):
+            request.num_generated += 1
+            if self.observer:
+                self.observer.on_token(None if request.last_token_at is None else now - request.last_token_at)
+            request.last_token_at = now
+            piece = request.stream.feed(out.token_id)
+            if piece:
+                request.put(Event("text", text=piece))
+            if request.stream.stopped and not out.finished:
+                self.engine.finish_request(seq.request_id, "stop")
+                out = out._replace(finished=True)
+        if not out.finished:
+            return
+        del self._requests[seq.request_id]
+        tail = request.stream.finish()
+        if tail:
+            request.put(Event("text", text=tail))
+        stopped = request.stream.stopped or seq.finish_reason == "stop"
+        finish = "stop" if stopped else "length"
+        timings = seq.timings()
+        timings["generated_tokens"] = request.num_generated    # as in usage: the end-of-generation token is not text
+        request.put(Event("done", finish_reason=finish, timings=timings,
+                          num_prompt_tokens=seq.num_prompt_tokens,
+                          num_generated_tokens=request.num_generated))
+        if self.observer:
+            self.observer.on_finish(request, seq, finish, now)
+
+    def _finish_abort(self, request_id: str, message: str) -> None:
+        request = self._requests.pop(request_id)
+        self.engine.abort(request_id)
+        request.put(Event("error", message=message))
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._requests):
+            self._finish_abort(rid, message)
