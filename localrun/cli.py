@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from localrun.cli_plan import plan
+from localrun.cli_serve import serve
 from localrun.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -196,6 +197,7 @@ def models():
 
 
 app.command("plan")(plan)
+app.command("serve")(serve)
 
 
 def main():
