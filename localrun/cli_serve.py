@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import socket
+import sys
 from typing import Optional
 
 import typer
@@ -77,5 +79,9 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     err.print(f"[dim]{name} · ctx {llm.n_ctx} · {parallel} parallel · KV {stats['num_blocks_total']} blocks of "
               f"{stats['block_size']} ({stats['kv_type']}) · {llm.n_threads} threads[/dim]")
     err.print(f"serving on http://{host}:{port}/v1  (metrics at /metrics; Ctrl-C stops)")
+    # uvicorn re-raises the signal that stopped it once it is done; after a clean shutdown that
+    # should be exit status 0, not "killed by SIGTERM" or a KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sys.exit(0))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                 access_log=log_level == "debug")

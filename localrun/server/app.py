@@ -17,6 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -145,6 +146,10 @@ class Server:
                  (t["queue_s"] or 0) * 1000, (t["ttft_s"] or 0) * 1000, t["decode_tok_s"] or 0.0)
 
 
+def sse(events, shutdown: anyio.Event) -> EventSourceResponse:
+    return EventSourceResponse(events, ping=15, shutdown_event=shutdown, shutdown_grace_period=2)
+
+
 def usage(event: Event) -> dict:
     t = event.timings or {}
     return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_generated_tokens,
@@ -249,11 +254,10 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
 
         if body.stream:
             first = chunk({"role": "assistant", "content": ""})
-            return EventSourceResponse(stream_events(server, sreq, body, first, lambda text: chunk({"content": text}),
-                                                     lambda ev: chunk({}, ev.finish_reason,
-                                                                      timings=timings_ms(ev.timings)),
-                                                     "chat.completion.chunk", name, created),
-                                       ping=15)
+            return sse(stream_events(server, sreq, body, first, lambda text: chunk({"content": text}),
+                                     lambda ev: chunk({}, ev.finish_reason, timings=timings_ms(ev.timings)),
+                                     "chat.completion.chunk", name, created, shutdown := anyio.Event()),
+                       shutdown)
         text, event = await collect(server, request, sreq)
         server.log_request(sreq, event, "ok")
         return {"id": sreq.request_id, "object": "chat.completion", "created": created, "model": name,
@@ -279,11 +283,10 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
                 **extra})}
 
         if body.stream:
-            return EventSourceResponse(stream_events(server, sreq, body, None, chunk,
-                                                     lambda ev: chunk("", ev.finish_reason,
-                                                                      timings=timings_ms(ev.timings)),
-                                                     "text_completion", name, created),
-                                       ping=15)
+            return sse(stream_events(server, sreq, body, None, chunk,
+                                     lambda ev: chunk("", ev.finish_reason, timings=timings_ms(ev.timings)),
+                                     "text_completion", name, created, shutdown := anyio.Event()),
+                       shutdown)
         text, event = await collect(server, request, sreq)
         server.log_request(sreq, event, "ok")
         return {"id": sreq.request_id, "object": "text_completion", "created": created, "model": name,
@@ -294,15 +297,25 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
 
 
 async def stream_events(server: Server, sreq: ServerRequest, body, first: dict | None, text_chunk,
-                        final_chunk, object_name: str, model: str, created: int):
+                        final_chunk, object_name: str, model: str, created: int, shutdown: anyio.Event):
     """SSE events of one streamed completion. sse-starlette cancels this generator when the
-    client disconnects (or the server shuts down); `finally` then aborts the request."""
+    client disconnects; `finally` then aborts the request. On server shutdown it sets
+    `shutdown`: the stream then ends with an error event and [DONE] instead of being cut."""
     done = False
+    stop = asyncio.ensure_future(shutdown.wait())
     try:
         if first is not None:
             yield first
         while True:
-            event = await sreq.events.get()
+            get = asyncio.ensure_future(sreq.events.get())
+            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                yield {"data": json.dumps(APIError(503, "the server is shutting down", type="server_error",
+                                                   code="server_shutdown").body())}
+                yield {"data": "[DONE]"}
+                return
+            event = get.result()
             if event.kind == "text":
                 yield text_chunk(event.text)
             elif event.kind == "error":
@@ -321,6 +334,7 @@ async def stream_events(server: Server, sreq: ServerRequest, body, first: dict |
                 yield {"data": "[DONE]"}
                 return
     finally:
+        stop.cancel()
         if not done:
             server.loop.abort(sreq.request_id)
-            server.log_request(sreq, None, "client-disconnected")
+            server.log_request(sreq, None, "aborted")

@@ -1,0 +1,57 @@
+"""The official openai SDK against `localrun serve` on the real model."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from localrun.api import LLM
+from localrun.models import resolve_model
+from localrun.server.app import ServerConfig, create_app
+from server_harness import running
+
+pytestmark = pytest.mark.model
+NAME = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def client():
+    llm = LLM(resolve_model(None), n_ctx=1024, n_parallel=4)
+    with running(create_app(llm, ServerConfig(NAME))) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_chat_non_stream_and_stream_agree_greedy(client):
+    whole = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert "Paris" in whole.choices[0].message.content
+    assert whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 10
+    stream = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].model_extra["timings"]["prompt_tokens"] == whole.usage.prompt_tokens
+
+
+def test_completions(client):
+    r = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.choices[0].text.strip().startswith("Paris")
+    assert r.usage.completion_tokens <= 4
+
+
+def test_sdk_sees_openai_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10**6)
+    assert "context" in str(e.value)
