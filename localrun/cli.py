@@ -14,7 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from localrun.cli_plan import plan
+from localrun.cli_bench import bench
 from localrun.cli_serve import serve
+from localrun.cli_top import top
 from localrun.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -198,6 +200,8 @@ def models():
 
 app.command("plan")(plan)
 app.command("serve")(serve)
+app.command("top")(top)
+app.command("bench")(bench)
 
 
 def main():

@@ -249,3 +249,18 @@ def test_metrics_count_tokens_and_requests(url):
                  "localrun_inter_token_latency_seconds_count", "localrun_e2e_request_latency_seconds_count",
                  "localrun_request_queue_time_seconds_count"):
         metric(url, name)      # present
+
+
+def test_top_shows_the_server_state(url):
+    from typer.testing import CliRunner
+
+    from localrun.cli import app
+    httpx.post(f"{url}/v1/completions", json={"prompt": "for top", "max_tokens": 3, "ignore_eos": True}, timeout=60)
+    result = CliRunner().invoke(app, ["top", "--url", url, "--once"])
+    assert result.exit_code == 0, result.output
+    assert "requests running / waiting" in result.output and "0 / 0" in result.output
+    total = metric(url, "localrun_kv_blocks_total")
+    assert f"0 / {total:,.0f}" in result.output
+    assert "TTFT p50 / p99" in result.output and " ms / " in result.output
+    down = CliRunner().invoke(app, ["top", "--url", "http://127.0.0.1:9", "--once"])
+    assert down.exit_code != 0 and "cannot reach" in str(down.exception)
