@@ -53,8 +53,9 @@ class RequestResult:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
-def request_body(req: BenchRequest, model: str | None, ignore_eos: bool) -> tuple[str, dict]:
-    body: dict = {"max_tokens": req.max_tokens, "temperature": req.temperature, "stream": True,
+def request_body(req: BenchRequest, model: str | None, ignore_eos: bool,
+                 extra_body: dict | None = None) -> tuple[str, dict]:
+    body: dict = {**(extra_body or {}), "max_tokens": req.max_tokens, "temperature": req.temperature, "stream": True,
                   "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
@@ -74,10 +75,11 @@ def _piece(chunk: dict) -> str:
 
 
 async def send(client: httpx.AsyncClient, base_url: str, req: BenchRequest, *, model: str | None = None,
-               ignore_eos: bool = True, headers: dict | None = None) -> RequestResult:
-    path, body = request_body(req, model, ignore_eos)
+               ignore_eos: bool = True, headers: dict | None = None,
+               extra_body: dict | None = None) -> RequestResult:
+    path, body = request_body(req, model, ignore_eos, extra_body)
     result = RequestResult(req.index, sent=time.perf_counter())
-    n_chunks = 0
+    n_chunks, usage_seen = 0, False
     try:
         async with client.stream("POST", base_url.rstrip("/") + path, json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -103,11 +105,14 @@ async def send(client: httpx.AsyncClient, base_url: str, req: BenchRequest, *, m
                 if chunk.get("timings"):
                     result.server_timings = chunk["timings"]
                 if chunk.get("usage"):
+                    usage_seen = True
                     result.completion_tokens = chunk["usage"].get("completion_tokens", 0)
                     result.prompt_tokens = chunk["usage"].get("prompt_tokens")
         result.end = time.perf_counter()
         result.completion_tokens = result.completion_tokens or n_chunks
-        result.ok = result.first_token is not None or result.completion_tokens == 0
+        # no text is fine only when the server says it generated nothing (an immediate end of
+        # generation); a stream cut short without usage is an error
+        result.ok = result.first_token is not None or (usage_seen and result.completion_tokens == 0)
         if not result.ok:
             result.error = "the stream ended without text"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -117,9 +122,10 @@ async def send(client: httpx.AsyncClient, base_url: str, req: BenchRequest, *, m
 
 async def run_requests(base_url: str, requests: list[BenchRequest], *, concurrency: int = 0,
                        model: str | None = None, ignore_eos: bool = True, api_key: str | None = None,
-                       timeout_s: float = 600.0,
+                       timeout_s: float = 600.0, extra_body: dict | None = None,
                        on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival offset (at most `concurrency` in flight when > 0).
+    `extra_body` adds server-specific fields (e.g. llama-cpp-python's min_tokens).
     Returns the results in request order and the wall time of the whole run."""
     limit = asyncio.Semaphore(concurrency) if concurrency > 0 else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -132,10 +138,12 @@ async def run_requests(base_url: str, requests: list[BenchRequest], *, concurren
             if delay > 0:
                 await asyncio.sleep(delay)
             if limit is None:
-                result = await send(client, base_url, req, model=model, ignore_eos=ignore_eos, headers=headers)
+                result = await send(client, base_url, req, model=model, ignore_eos=ignore_eos, headers=headers,
+                                    extra_body=extra_body)
             else:
                 async with limit:
-                    result = await send(client, base_url, req, model=model, ignore_eos=ignore_eos, headers=headers)
+                    result = await send(client, base_url, req, model=model, ignore_eos=ignore_eos, headers=headers,
+                                    extra_body=extra_body)
             if on_done:
                 on_done(result)
             return result

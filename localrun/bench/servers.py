@@ -64,9 +64,10 @@ def localrun_server(model: str | None, *args: str, port: int | None = None):
 
 
 def llama_cpp_server(model_path: str, *, n_threads: int, n_ctx: int, port: int | None = None):
-    """llama-cpp-python's own server (one request at a time behind a lock), the peer."""
+    """llama-cpp-python's own server (one request at a time behind a lock), the peer. By default
+    a new request cuts off the one streaming; interrupt_requests=False makes it queue instead."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--port", str(port),
            "--host", "127.0.0.1", "--n_threads", str(n_threads), "--n_threads_batch", str(n_threads),
-           "--n_ctx", str(n_ctx), "--verbose", "False"]
+           "--n_ctx", str(n_ctx), "--verbose", "False", "--interrupt_requests", "False"]
     return child_server(cmd, port)
