@@ -7,14 +7,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
 from localrun.chat_template import render_chat
+from localrun.context_shift import fit_messages, shift_prompt
 from localrun.engine.llm_engine import LLMEngine
 from localrun.errors import UserError
 from localrun.gguf_file import open_gguf
-from localrun.loader import load_weights
+from localrun.executor import build_model, use_quantized
 from localrun.model.llama import Transformer
 from localrun.models import resolve_model
 from localrun.runner import SequenceRunner
@@ -44,6 +46,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str                      # "stop" | "length"
     timings: dict = field(default_factory=dict)
+    dropped_messages: int = 0               # chat: oldest messages left out to fit the context
 
 
 class LLM:
@@ -56,7 +59,27 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, n_ctx: int | None = None,
                  n_threads: int | None = None, dtype: torch.dtype | str | None = None,
                  n_parallel: int = 4, kv_type: str | None = None, enable_prefix_caching: bool = True,
+                 disk_cache: bool = False, cache_dir: str | os.PathLike | None = None,
+                 cache_disk: int | str | None = None, context_shift: bool = False, n_keep: int = 0,
+                 speculative: str | None = None, num_speculative_tokens: int = 4,
+                 speculative_adaptive: bool = True, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, kv_budget_bytes: int | None = None,
+                 n_gpu_layers: int | str | None = "auto", quantized: bool | None = None,
                  verbose: bool = False):
+        """speculative="ngram" drafts by prompt lookup; a .gguf path or catalog name (with the
+        same vocabulary) is a draft model, "self:N" the model's own first N layers. Output is
+        unchanged (exact at temperature 0, the same distribution otherwise); up to
+        num_speculative_tokens drafts per step, and with speculative_adaptive it stops drafting
+        for a request or a step whenever measured costs say it does not pay.
+        disk_cache=True keeps full prefix blocks in cache_dir (default $LOCALRUN_HOME/kv-cache),
+        bounded by cache_disk bytes ("20GiB"; default 20 GiB or half the free space), so a new
+        process reuses them. Off by default for the library (the CLI turns it on).
+        context_shift=True lets a raw prompt too long for n_ctx (with max_tokens, capped at half
+        the context) lose its oldest tokens after the first n_keep, instead of raising.
+        n_gpu_layers: 'auto' (layerplan chooses; all-CPU without a GPU) or llama.cpp's -ngl count.
+        quantized: keep Q4_0/Q4_1/Q4_K (int4) and Q8_0 (int8) weights quantized for torch's
+        weight-only kernels; None = yes, unless dtype="float32" is asked for explicitly or
+        LOCALRUN_REFERENCE=1 (the dequantized reference path, see localrun/executor.py)."""
         self.model_path = resolve_model(model)
         self.file = open_gguf(self.model_path)
         self.config = self.file.config
@@ -69,16 +92,55 @@ class LLM:
             raise UserError(f"n_ctx must be at least 2, got {self.n_ctx}")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or default_dtype())
         t0 = time.perf_counter()
-        weights = load_weights(self.file, self.dtype)
-        self.model = Transformer(self.config, weights, max_positions=self.n_ctx)
+        self.quantized = use_quantized(quantized, dtype)
+        self.model = build_model(self.file, n_ctx=self.n_ctx, dtype=self.dtype, quantized=self.quantized,
+                                 n_gpu_layers=n_gpu_layers, n_parallel=n_parallel, kv_type=kv_type)
+        self.plan_summary = self.model.device_map.summary
         self.load_s = time.perf_counter() - t0
         if n_parallel < 1:
             raise UserError(f"n_parallel must be >= 1, got {n_parallel}")
         self.n_parallel, self.kv_type = n_parallel, kv_type
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_num_batched_tokens = max_num_batched_tokens   # tokens per engine step (prefill chunk budget)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.kv_budget_bytes = kv_budget_bytes    # None: the engine's default share of free memory
+        self.disk_cache_config = self._disk_cache_config(disk_cache, cache_dir, cache_disk)
+        self.last_dropped_messages = 0      # by the last chat() to fit the context
+        self.context_shift, self.n_keep = context_shift, n_keep
         self._engine: LLMEngine | None = None
         self._request_ids = itertools.count()
         self.verbose = verbose
+        from localrun.engine.draft_model import load_speculative
+        self.speculative, self.draft_model = load_speculative(
+            None if speculative is None else str(speculative), target=self.model,
+            target_tokenizer=lambda: self.tokenizer, dtype=self.dtype, n_ctx=self.n_ctx, quantized=self.quantized,
+            num_speculative_tokens=num_speculative_tokens, adaptive=speculative_adaptive)
+
+    def _disk_cache_config(self, enabled, cache_dir, cache_disk):
+        from localrun.engine.disk_cache import DiskCacheConfig, model_fingerprint
+        from localrun.models import localrun_home
+        if not enabled:
+            return None
+        max_bytes = cache_disk
+        if isinstance(cache_disk, str):
+            from layerplan.units import parse_bytes
+            try:
+                max_bytes = parse_bytes(cache_disk)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        if max_bytes is not None and max_bytes <= 0:
+            raise UserError(f"cache_disk must be a positive size, got {cache_disk!r}")
+        root = Path(cache_dir).expanduser() if cache_dir is not None else localrun_home() / "kv-cache"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot use {root} as the KV cache directory ({e.strerror})") from None
+        return DiskCacheConfig(root, model_fingerprint(self.model_path, self.file.header.data_offset), max_bytes)
+
+    def close(self) -> None:
+        """Finish writing the disk cache (also done at exit)."""
+        if self._engine is not None:
+            self._engine.flush()
 
     # -- tokens ---------------------------------------------------------------------------
     @cached_property
@@ -104,7 +166,8 @@ class LLM:
         return SequenceRunner(self.model, self.n_ctx)
 
     def reset(self) -> None:
-        """Forget cached prefixes (the next prompt is computed from scratch)."""
+        """Forget cached prefixes (the next prompt is computed from scratch, unless the disk
+        cache holds it: `localrun cache clear` empties that)."""
         if "runner" in self.__dict__:
             self.runner.cached_ids = []
         if self._engine is not None:
@@ -145,9 +208,27 @@ class LLM:
 
     def chat(self, messages: list[dict], *, stream: bool = False, **kwargs):
         """Reply to a conversation ([{role, content}, ...]) through the model's chat template.
-        Returns a GenerationResult, or an iterator of text pieces when stream=True."""
+        Returns a GenerationResult, or an iterator of text pieces when stream=True.
+        A conversation too long for the context loses its oldest turns (the system prompt
+        stays); result.dropped_messages (self.last_dropped_messages) says how many went."""
+        messages, self.last_dropped_messages = self.fit_chat(messages, kwargs.get("max_tokens"))
         ids = self.chat_prompt_ids(messages)
-        return self.stream(ids, **kwargs) if stream else self.generate(ids, **kwargs)
+        if stream:
+            return self.stream(ids, **kwargs)
+        result = self.generate(ids, **kwargs)
+        result.dropped_messages = self.last_dropped_messages
+        return result
+
+    def fit_chat(self, messages: list[dict], max_tokens: int | None = None, *,
+                 target: int | None = None) -> tuple[list[dict], int]:
+        """(messages that fit, number dropped): the oldest turns go when the prompt plus the
+        reply's tokens (max_tokens, at most half the context) would exceed n_ctx. `target`
+        (a token count) drops more at once, so that later turns reuse the cached prefix."""
+        if max_tokens is None:
+            max_tokens = SamplingParams().max_tokens
+        reserve = min(max_tokens, self.n_ctx // 2)
+        return fit_messages(messages, lambda m: len(self.chat_prompt_ids(m)), self.n_ctx, reserve,
+                            target=target)
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         tok = self.tokenizer
@@ -167,7 +248,12 @@ class LLM:
             self._engine = LLMEngine(self.model, tokenizer_eog_ids=tuple(self.tokenizer.eog_ids),
                                      max_model_len=self.n_ctx, kv_type=self.kv_type,
                                      max_num_seqs=self.n_parallel, clock=time.perf_counter,
-                                     enable_prefix_caching=self.enable_prefix_caching)
+                                     max_num_batched_tokens=self.max_num_batched_tokens,
+                                     enable_chunked_prefill=self.enable_chunked_prefill,
+                                     kv_budget_bytes=self.kv_budget_bytes,
+                                     enable_prefix_caching=self.enable_prefix_caching,
+                                     disk_cache=self.disk_cache_config,
+                                     speculative=self.speculative, draft_model=self.draft_model)
         return self._engine
 
     def _params(self, kwargs) -> SamplingParams:
@@ -191,6 +277,8 @@ class LLM:
             ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
             if not ids:
                 raise UserError("the prompt is empty")
+            if self.context_shift:
+                ids, _ = shift_prompt(ids, self.n_ctx, params.max_tokens, self.n_keep)
             if len(ids) >= self.n_ctx:
                 raise UserError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
                                 f"shorten it or raise --ctx")

@@ -13,7 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from localrun.cli_cache import cache_app
 from localrun.cli_plan import plan
+from localrun.cli_tune import tune
 from localrun.cli_bench import bench
 from localrun.cli_serve import serve
 from localrun.cli_top import top
@@ -28,18 +30,46 @@ ModelArg = typer.Argument(None, help="A .gguf path or a catalog name (default: s
 CtxOpt = typer.Option(None, "--ctx", "-c", help="Context size in tokens (default: min(trained, 4096)).")
 ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: physical cores).")
 KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8 (default: compute dtype).")
+GpuLayersOpt = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU without a "
+                            "GPU) or the number of layers on the GPU (llama.cpp's -ngl: the last N).")
 
 
-def _load(model, ctx, threads, kv_type=None, parallel=1):
+CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk KV cache directory (default: $LOCALRUN_HOME/kv-cache).")
+NoDiskCacheOpt = typer.Option(False, "--no-disk-cache", help="Do not keep prefix blocks on disk across restarts.")
+CacheDiskOpt = typer.Option(None, "--cache-disk", help="Size bound of the disk KV cache, e.g. 20GiB "
+                            "(default: 20GiB or half the free space).")
+DraftModelOpt = typer.Option(None, "--draft-model", help="Speculative decoding with this draft model: a .gguf "
+                             "path, a catalog name (same vocabulary), or self:N (the model's first N layers).")
+SpecOpt = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram (prompt lookup).")
+DraftMaxOpt = typer.Option(4, "--draft-max", help="The most tokens drafted per step (speculation adapts below it).")
+
+
+def _speculative(draft_model: str | None, spec: str | None) -> dict:
+    """LLM options for --draft-model / --spec (one of them at most)."""
+    if draft_model and spec:
+        raise UserError("Give either --draft-model or --spec, not both.")
+    if spec is not None and spec != "ngram":
+        raise UserError(f"Unknown --spec {spec!r}; the one method without a draft model is 'ngram'.")
+    return {"speculative": draft_model or spec}
+
+
+def _load(model, ctx, threads, kv_type=None, parallel=1, **options):
     from localrun.api import LLM
+    from localrun.tune import apply_profile
+    threads, options, tuned = apply_profile(model, threads, options)
     with err.status("loading model..."):
-        return LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel)
+        llm = LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel, **options)
+    err.print(f"[dim]{llm.plan_summary}{' · tuned profile' if tuned else ''}[/dim]")
+    return llm
 
 
 def _stats_line(t: dict) -> str:
-    cached = f", {t['cached_tokens']} cached" if t["cached_tokens"] else ""
+    disk = f" ({t['cached_tokens_disk']} from disk)" if t.get("cached_tokens_disk") else ""
+    cached = f", {t['cached_tokens']} cached{disk}" if t["cached_tokens"] else ""
+    drafts = (f" · drafts {t['accepted_tokens']}/{t['draft_tokens']} accepted"
+              if t.get("draft_tokens") else "")
     return (f"ttft {t['ttft_s'] * 1000:.0f} ms · {t['decode_tok_s']:.1f} tok/s · "
-            f"prompt {t['prompt_tokens']} tokens{cached} · reply {t['generated_tokens']} tokens")
+            f"prompt {t['prompt_tokens']} tokens{cached} · reply {t['generated_tokens']} tokens{drafts}")
 
 
 @app.command()
@@ -49,9 +79,16 @@ def chat(model: Optional[str] = ModelArg,
          max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
          seed: Optional[int] = typer.Option(None, "--seed"),
          ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
-         kv_type: Optional[str] = KvTypeOpt):
-    """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply."""
-    llm = _load(model, ctx, threads, kv_type, parallel=1)
+         kv_type: Optional[str] = KvTypeOpt, cache_dir: Optional[str] = CacheDirOpt,
+         no_disk_cache: bool = NoDiskCacheOpt, cache_disk: Optional[str] = CacheDiskOpt,
+         draft_model: Optional[str] = DraftModelOpt, spec: Optional[str] = SpecOpt,
+         draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt):
+    """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply.
+    A full context drops the oldest turns (never the system prompt), with a notice."""
+    llm = _load(model, ctx, threads, kv_type, parallel=1, disk_cache=not no_disk_cache,
+                cache_dir=cache_dir, cache_disk=cache_disk, num_speculative_tokens=draft_max,
+                n_gpu_layers=gpu_layers,
+                **_speculative(draft_model, spec))
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     last = None
@@ -77,12 +114,23 @@ def chat(model: Optional[str] = ModelArg,
             cache = {k: engine[k] for k in ("prefix_cache_hit_rate", "prefix_cache_hit_tokens",
                                              "prefix_cache_query_tokens", "num_blocks_used",
                                              "num_blocks_cached", "num_blocks_total", "kv_type")}
-            out.print_json(json.dumps({"last_reply": last, "kv_cache": cache}))
+            speculation = {k: v for k, v in engine.items() if k.startswith("spec_")}
+            out.print_json(json.dumps({"last_reply": last, "kv_cache": cache, "speculative": speculation}))
             continue
         if text.startswith("/"):
             out.print(f"[dim]unknown command {text}; use /reset, /stats or /exit[/dim]")
             continue
         history.append({"role": "user", "content": text})
+        try:   # drop to half the room at once, so the next turns reuse the cached prefix
+            history, dropped = llm.fit_chat(history, max_tokens,
+                                            target=(llm.n_ctx + min(max_tokens, llm.n_ctx // 2)) // 2)
+        except UserError as e:
+            history.pop()
+            err.print(f"[red]{e}[/red]")
+            continue
+        if dropped:
+            err.print(f"[yellow]context full: dropped the {dropped} oldest messages"
+                      f"{' (the system prompt stays)' if base else ''}[/yellow]")
         reply = []
         try:
             for piece in llm.chat(history, stream=True, temperature=temperature,
@@ -119,9 +167,12 @@ def generate(model: Optional[str] = ModelArg,
              ignore_eos: bool = typer.Option(False, "--ignore-eos"),
              as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
              ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
-             kv_type: Optional[str] = KvTypeOpt):
+             kv_type: Optional[str] = KvTypeOpt, draft_model: Optional[str] = DraftModelOpt,
+             spec: Optional[str] = SpecOpt, draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt):
     """One-shot completion of a prompt."""
-    llm = _load(model, ctx, threads, kv_type, parallel=1)
+    llm = _load(model, ctx, threads, kv_type, parallel=1, num_speculative_tokens=draft_max,
+                n_gpu_layers=gpu_layers,
+                **_speculative(draft_model, spec))
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)
     if as_json:
@@ -199,6 +250,8 @@ def models():
 
 
 app.command("plan")(plan)
+app.command("tune")(tune)
+app.add_typer(cache_app, name="cache")
 app.command("serve")(serve)
 app.command("top")(top)
 app.command("bench")(bench)

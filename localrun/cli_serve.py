@@ -38,6 +38,19 @@ def check_port_free(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _bytes(text: str | None, option: str) -> int | None:
+    from layerplan.units import parse_bytes
+    if text is None:
+        return None
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise UserError(f"{option}: {e}") from None
+    if value <= 0:
+        raise UserError(f"{option} must be a positive size, got '{text}'")
+    return value
+
+
 def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a catalog name (default: smollm2-135m)."),
           host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
           port: int = typer.Option(8080, "--port", help="TCP port."),
@@ -48,12 +61,34 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
           ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Context size in tokens per request."),
           threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads."),
           kv_type: Optional[str] = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8."),
+          max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens", "-b",
+                                                           help="Tokens per engine step: the prefill chunk that shares "
+                                                                "a step with running decodes (default: the tuned "
+                                                                "profile's, else 512)."),
+          no_chunked_prefill: bool = typer.Option(False, "--no-chunked-prefill",
+                                                  help="Compute each prompt in one step (needs --max-batched-tokens >= --ctx)."),
+          kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV cache memory, e.g. 2GiB "
+                                                  "(default: a share of free memory)."),
           no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Recompute every prompt."),
+          cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Disk KV cache directory "
+                                                  "(default: $LOCALRUN_HOME/kv-cache)."),
+          no_disk_cache: bool = typer.Option(False, "--no-disk-cache",
+                                             help="Do not keep prefix blocks on disk across restarts."),
+          cache_disk: Optional[str] = typer.Option(None, "--cache-disk", help="Size bound of the disk KV cache, "
+                                                   "e.g. 20GiB (default: 20GiB or half the free space)."),
+          gpu_layers: str = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU "
+                                         "without a GPU) or the number of layers on the GPU."),
+          draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Speculative decoding with this "
+                                                    "draft model: a .gguf path, a catalog name, or self:N."),
+          spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram."),
+          draft_max: int = typer.Option(4, "--draft-max", help="The most tokens drafted per step."),
           alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients use (default: the name given)."),
           max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes."),
           log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error.")):
     """Serve the OpenAI API (chat, completions, models), /health and /metrics, batching all requests."""
     import uvicorn
+
+    from localrun.cli import _speculative
 
     from localrun.api import LLM
     from localrun.server.app import ServerConfig, create_app
@@ -66,11 +101,21 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
         err.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the model")
     check_port_free(host, port)
+    from localrun.tune import apply_profile
+    threads, tuned, _ = apply_profile(model, threads, {"n_gpu_layers": gpu_layers,
+                                                       "max_num_batched_tokens": max_batched_tokens})
+    gpu_layers = tuned.get("n_gpu_layers", gpu_layers)
+    max_batched_tokens = tuned.get("max_num_batched_tokens") or 512
     with err.status("loading model..."):
         llm = LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel,
-                  enable_prefix_caching=not no_prefix_cache)
+                  enable_prefix_caching=not no_prefix_cache, max_num_batched_tokens=max_batched_tokens,
+                  enable_chunked_prefill=not no_chunked_prefill, kv_budget_bytes=_bytes(kv_budget, "--kv-budget"),
+                  disk_cache=not no_disk_cache, cache_dir=cache_dir, cache_disk=cache_disk,
+                  n_gpu_layers=gpu_layers, num_speculative_tokens=draft_max, **_speculative(draft_model, spec))
         llm.engine    # build the KV pool now, not on the first request
-    name = alias or (model if model and not model.endswith(".gguf") else llm.model_path.stem)
+    from localrun.models import DEFAULT_MODEL
+    given = model or DEFAULT_MODEL
+    name = alias or (given if not given.endswith(".gguf") else llm.model_path.stem)
     aliases = frozenset({llm.model_path.name, llm.model_path.stem, str(llm.model_path)} - {name})
     app = create_app(llm, ServerConfig(name, aliases, api_key, max_body))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -83,5 +128,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     # should be exit status 0, not "killed by SIGTERM" or a KeyboardInterrupt
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                access_log=log_level == "debug")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                    access_log=log_level == "debug")
+    finally:
+        llm.close()       # pending disk-cache writes

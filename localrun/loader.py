@@ -1,7 +1,13 @@
-"""GGUF file -> (ModelConfig, torch weights).
+"""GGUF file -> (ModelConfig, weights).
 
-Quantized tensors are dequantized with gguf-py's numpy kernels into the compute dtype.
-The hybrid-executor issue keeps them quantized where a fast kernel exists.
+`file_weights` gives every tensor the llama architecture uses as a `FileTensor`: a read-only
+memory map of its bytes, converted only when the model builds the layer that needs it, so that
+loading never holds more than one layer's temporary copies. The model then keeps 4-bit and
+8-bit tensors quantized where torch has a kernel for them (localrun/model/quant.py) and
+dequantizes the rest.
+
+`load_weights` is the plain reference: every tensor dequantized with gguf-py's numpy kernels
+into the compute dtype.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from gguf.quants import dequantize
 
 from localrun.errors import UserError
 from localrun.gguf_file import LAYER_TENSORS, GGUFModelFile, open_gguf  # noqa: F401  (re-export)
+from localrun.model.quant import FileTensor
 
 
 def tensor_data(file: GGUFModelFile, name: str) -> np.ndarray:
@@ -27,6 +34,14 @@ def tensor_data(file: GGUFModelFile, name: str) -> np.ndarray:
         return raw.view(plain[qtype]).reshape(shape)
     rows = int(np.prod(shape[:-1]))
     return raw.reshape(rows, info.n_bytes // rows)
+
+
+def file_tensor(file: GGUFModelFile, name: str) -> FileTensor:
+    info = file.tensors.get(name)
+    if info is None:
+        raise UserError(f"{file.path}: tensor '{name}' is missing")
+    shape = tuple(reversed(info.shape))
+    return FileTensor(tensor_data(file, name), QT(info.type_id), (int(np.prod(shape[:-1])), shape[-1]))
 
 
 def read_tensor(file: GGUFModelFile, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -48,16 +63,26 @@ def read_tensor(file: GGUFModelFile, name: str, dtype: torch.dtype) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape).to(dtype)
 
 
-def load_weights(file: GGUFModelFile, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors the llama architecture uses, keyed by GGUF name, on the CPU in `dtype`.
-    Norm weights stay float32."""
+def weight_names(file: GGUFModelFile) -> list[str]:
+    """Every tensor the llama architecture reads from this file."""
     names = ["token_embd.weight", "output_norm.weight"]
     if not file.config.tied_output:
         names.append("output.weight")
     if "rope_freqs.weight" in file.tensors:
         names.append("rope_freqs.weight")
-    names += [f"blk.{i}.{t}.weight" for i in range(file.config.n_layers) for t in LAYER_TENSORS]
-    return {name: read_tensor(file, name, torch.float32 if _is_vector(name) else dtype) for name in names}
+    return names + [f"blk.{i}.{t}.weight" for i in range(file.config.n_layers) for t in LAYER_TENSORS]
+
+
+def file_weights(file: GGUFModelFile) -> dict[str, FileTensor]:
+    """The model's tensors as the file holds them (memory maps; nothing is read yet)."""
+    return {name: file_tensor(file, name) for name in weight_names(file)}
+
+
+def load_weights(file: GGUFModelFile, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All tensors the llama architecture uses, keyed by GGUF name, on the CPU in `dtype`,
+    dequantized (the reference path). Norm weights stay float32."""
+    return {name: read_tensor(file, name, torch.float32 if _is_vector(name) else dtype)
+            for name in weight_names(file)}
 
 
 def _is_vector(name: str) -> bool:

@@ -26,13 +26,15 @@ class SequenceRunner:
     def __post_init__(self):
         c = self.model.config
         self.cache = ContiguousKVCache(n_layers=c.n_layers, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
-                                       max_tokens=self.n_ctx, dtype=self.model.dtype)
+                                       max_tokens=self.n_ctx, dtype=self.model.dtype,
+                                       devices=[layer.device for layer in self.model.layers])
 
     def forward(self, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
         """Run ids at positions start.. on the cache; logits of the last (or every) position."""
         T = len(ids)
-        tokens = torch.tensor(ids, dtype=torch.long)
-        positions = torch.arange(start, start + T)
+        device = self.model.tok_embeddings.device
+        tokens = torch.tensor(ids, dtype=torch.long, device=device)
+        positions = torch.arange(start, start + T, device=device)
         rows = None if all_logits else torch.tensor([T - 1])
         logits = self.model(tokens, positions, [Segment(0, T, start, self.cache)], rows)
         self.cached_ids = self.cached_ids[:start] + list(ids)

@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    speculative: bool = True        # False: never draft for this request, even when the engine speculates
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -76,13 +77,30 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def probabilities(logits: torch.Tensor, p: SamplingParams,
+                  recent: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+    """The distribution `sample` draws from, (V,) float32: what speculative decoding's
+    rejection rule compares a draft against. Greedy: one-hot at the argmax."""
+    logits = _penalized(logits, p, recent)
+    if p.greedy:
+        return torch.zeros_like(logits).index_fill_(0, logits.argmax().view(1), 1.0)
+    return _filtered_probs(logits, p)
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
            recent: list[int] | tuple[int, ...] = ()) -> int:
     """One token id from next-token logits (V,) float32."""
-    if p.repeat_penalty != 1.0 and p.repeat_last_n:   # only then look at the history (per token)
-        logits = apply_repeat_penalty(logits, list(recent[-p.repeat_last_n:]), p.repeat_penalty)
+    logits = _penalized(logits, p, recent)
     if p.greedy:
         return int(logits.argmax())
-    logits = filter_logits(logits, p)
-    probs = (logits / p.temperature).softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(_filtered_probs(logits, p), 1, generator=generator))
+
+
+def _penalized(logits: torch.Tensor, p: SamplingParams, recent) -> torch.Tensor:
+    if p.repeat_penalty != 1.0 and p.repeat_last_n:   # only then look at the history (per token)
+        logits = apply_repeat_penalty(logits, list(recent[-p.repeat_last_n:]), p.repeat_penalty)
+    return logits
+
+
+def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    return (filter_logits(logits, p) / p.temperature).softmax(-1)

@@ -264,3 +264,36 @@ def test_top_shows_the_server_state(url):
     assert "TTFT p50 / p99" in result.output and " ms / " in result.output
     down = CliRunner().invoke(app, ["top", "--url", "http://127.0.0.1:9", "--once"])
     assert down.exit_code != 0 and "cannot reach" in str(down.exception)
+
+
+def test_a_chat_longer_than_the_context_drops_the_oldest_turns(url, llm):
+    """The system prompt stays, the oldest turns go, and the response says how many."""
+    turns = [{"role": "system", "content": "sys prompt stays"}]
+    for i in range(60):
+        turns += [{"role": "user", "content": f"question {i} " + "x y z " * 10},
+                  {"role": "assistant", "content": f"answer {i} " + "a b c " * 10}]
+    turns.append({"role": "user", "content": "last question"})
+    assert len(llm.chat_prompt_ids(turns)) > llm.n_ctx
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": turns, "max_tokens": 8},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    dropped = body["timings"]["dropped_messages"]
+    assert dropped > 0
+    kept = [turns[0]] + turns[1 + dropped:]
+    assert body["usage"]["prompt_tokens"] == len(llm.chat_prompt_ids(kept))
+    assert body["usage"]["prompt_tokens"] + 8 <= llm.n_ctx
+
+
+def test_speculative_requests_report_drafts_in_timings_and_metrics(tiny_gguf):
+    spec = LLM(tiny_gguf("F32", context_length=1024), dtype="float32", n_threads=1, n_parallel=4,
+               speculative="ngram")
+    with running(create_app(spec, ServerConfig(MODEL))) as url:
+        prompt = "a b c d a b c d a b c d a b c d"
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                                          "ignore_eos": True}, timeout=60).json()
+        t = plain["timings"]
+        assert {"draft_tokens", "accepted_tokens"} <= set(t)
+        assert 0 <= t["accepted_tokens"] <= t["draft_tokens"]
+        assert metric(url, "localrun_engine_spec_draft_tokens") == t["draft_tokens"]
+        assert metric(url, "localrun_engine_spec_accepted_tokens") == t["accepted_tokens"]

@@ -18,7 +18,7 @@ from server_harness import free_port, wait_until
 def start(model, port, *extra):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "localrun.cli", "serve", str(model), "--port", str(port),
-                             "--threads", "1", "--ctx", "1024", *extra],
+                             "--threads", "1", "--ctx", "1024", "--no-disk-cache", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 

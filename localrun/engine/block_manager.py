@@ -10,6 +10,13 @@ reuses the longest run of registered blocks matching its prefix (a hit is confir
 comparing token ids). Blocks nobody references but still registered stay reusable until
 they are evicted, least recently freed first. A sequence's last token is never served
 from the cache: the model has to compute it to produce the next token's logits.
+
+Lower tiers (`KVTier`, e.g. the disk cache): every newly registered block is also handed to
+each tier to keep, and before a waiting sequence is admitted, `load_prefix` copies the blocks
+of its prefix that the pool lacks but a tier holds into fresh blocks, registered as if they had
+been computed here, so admission then finds them as ordinary cache hits. A host-RAM tier for
+blocks a GPU pool evicts would be one more tier in the list; on a CPU-only machine the pool
+already is host memory, so there is none.
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ import hashlib
 import math
 import struct
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from localrun.engine.sequence import Sequence
 
@@ -51,6 +59,22 @@ class Block:
     ref_count: int = 0
     block_hash: bytes | None = None   # set while the block is registered in the prefix cache
     token_ids: tuple[int, ...] = ()   # the registered content, to confirm a hash hit
+    tier: str | None = None           # loaded from this lower tier and not yet used by a sequence
+
+
+class KVTier(Protocol):
+    """Storage below the block pool, keyed by a block's chained hash (torch-free interface;
+    the implementation moves the block's K/V between the pool and its storage)."""
+    name: str
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Cheap: no K/V is read."""
+
+    def load(self, block_hash: bytes, token_ids: tuple[int, ...], block_id: int) -> bool:
+        """Copy the stored block into pool block block_id; False if missing or unusable."""
+
+    def store(self, blocks: list[tuple[bytes, tuple[int, ...], int]]) -> None:
+        """Keep a copy of these (hash, token ids, pool block id) blocks; must not block for long."""
 
 
 @dataclass
@@ -61,6 +85,8 @@ class PrefixCacheStats:
     num_hits: int = 0           # blocks served from the cache
     num_misses: int = 0         # full blocks looked up and not found
     num_evictions: int = 0      # registered blocks reused for other content
+    num_tier_hit_tokens: dict[str, int] = field(default_factory=dict)  # of num_hit_tokens, by tier
+    num_tier_loaded_blocks: dict[str, int] = field(default_factory=dict)  # copied in by load_prefix
 
     @property
     def hit_rate(self) -> float:
@@ -70,7 +96,7 @@ class PrefixCacheStats:
 class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 hash_seed: bytes = b""):
+                 hash_seed: bytes = b"", lower_tiers: list[KVTier] | None = None):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -81,6 +107,7 @@ class BlockManager:
         self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # registered, ref 0, LRU first
         self.cached_block_ids: dict[bytes, int] = {}                      # hash -> registered block
         self.stats = PrefixCacheStats()
+        self.lower_tiers: list[KVTier] = list(lower_tiers or [])   # checked in order
 
     # --- counters -------------------------------------------------------------------
     @property
@@ -145,7 +172,7 @@ class BlockManager:
             block_id, _ = self.evictable_block_ids.popitem(last=False)
             block = self.blocks[block_id]
             del self.cached_block_ids[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash, block.token_ids, block.tier = None, (), None
             self.stats.num_evictions += 1
         block = self.blocks[block_id]
         assert block.ref_count == 0 and block.block_hash is None
@@ -174,10 +201,19 @@ class BlockManager:
         """Admit seq: share its cached prefix blocks, then add slots for num_new_tokens tokens."""
         assert not seq.block_table and seq.num_computed_tokens == 0, "sequence already holds blocks"
         cached = self._find_cached_blocks(seq)
+        from_tier: dict[str, int] = {}
         for block_id in cached:
             self._take_block(block_id)
+            block = self.blocks[block_id]
+            if block.tier is not None:   # its first use: count it for the tier, later it is a device hit
+                from_tier[block.tier] = from_tier.get(block.tier, 0) + self.block_size
+                block.tier = None
         seq.block_table = list(cached)
         seq.num_cached_tokens = seq.num_computed_tokens = len(cached) * self.block_size
+        if seq.timeline.first_scheduled is None:    # the timeline reports the first admission
+            seq.timeline.cached_tokens_by_tier = from_tier
+        for name, num_tokens in from_tier.items():
+            self.stats.num_tier_hit_tokens[name] = self.stats.num_tier_hit_tokens.get(name, 0) + num_tokens
         if self.enable_prefix_caching:
             self.stats.num_queries += 1
             self.stats.num_query_tokens += seq.num_tokens
@@ -219,6 +255,7 @@ class BlockManager:
         while first > 0 and self.blocks[table[first - 1]].block_hash is None:
             first -= 1
         hashes = self._block_hashes(seq, num_full)
+        registered = []
         for i in range(first, num_full):
             token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             existing = self.cached_block_ids.get(hashes[i])
@@ -233,6 +270,51 @@ class BlockManager:
             assert block.ref_count == 1, "an unregistered block belongs to one sequence"
             block.block_hash, block.token_ids = hashes[i], token_ids
             self.cached_block_ids[hashes[i]] = table[i]
+            registered.append((hashes[i], token_ids, table[i]))
+        if registered:
+            for tier in self.lower_tiers:
+                tier.store(registered)
+
+    def load_prefix(self, seq: Sequence) -> int:
+        """Copy the blocks of seq's prefix that follow its cached ones in the pool from the lower
+        tiers into free blocks, registered and unreferenced, for `allocate` to find. Stops at the
+        first block no tier has, and before it would evict a block of seq's own prefix.
+        Returns the number of blocks loaded."""
+        if not (self.enable_prefix_caching and self.lower_tiers) or seq.block_table:
+            return 0
+        bs, chain, num_loaded = self.block_size, set(), 0
+        for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
+            token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = self.cached_block_ids.get(h)
+            if block_id is not None:
+                if self.blocks[block_id].token_ids != token_ids:
+                    break                              # a hash collision: stop as _find_cached_blocks does
+                chain.add(block_id)
+                if block_id in self.evictable_block_ids:   # most recently used: evicted last
+                    self.evictable_block_ids.move_to_end(block_id)
+                continue
+            tier = next((t for t in self.lower_tiers if t.contains(h)), None)
+            if tier is None or not self._can_load_without_evicting(chain):
+                break
+            block_id = self._allocate_block()
+            if not tier.load(h, token_ids, block_id):
+                self._release_block(block_id)
+                break
+            block = self.blocks[block_id]
+            block.block_hash, block.token_ids, block.tier = h, token_ids, tier.name
+            self.cached_block_ids[h] = block_id
+            self._release_block(block_id)              # registered, ref 0: evictable, most recent
+            chain.add(block_id)
+            num_loaded += 1
+            self.stats.num_tier_loaded_blocks[tier.name] = self.stats.num_tier_loaded_blocks.get(tier.name, 0) + 1
+        return num_loaded
+
+    def _can_load_without_evicting(self, chain: set[int]) -> bool:
+        """Is there a block to load into that is not part of the prefix being assembled?"""
+        if self.free_block_ids:
+            return True
+        oldest = next(iter(self.evictable_block_ids), None)
+        return oldest is not None and oldest not in chain
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Remove seq's last num_tokens tokens (rejected drafts) and free the slots past its end.
@@ -255,7 +337,7 @@ class BlockManager:
             if tail.block_hash is not None:
                 assert tail.ref_count == 1, "rollback into a block another sequence shares"
                 del self.cached_block_ids[tail.block_hash]
-                tail.block_hash, tail.token_ids = None, ()
+                tail.block_hash, tail.token_ids, tail.tier = None, (), None
 
     def slot_mapping(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
         """Physical KV slot of each of seq's tokens at positions start .. start + num_tokens - 1."""
@@ -268,5 +350,5 @@ class BlockManager:
             block_id, _ = self.evictable_block_ids.popitem(last=False)
             block = self.blocks[block_id]
             del self.cached_block_ids[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash, block.token_ids, block.tier = None, (), None
             self.free_block_ids.append(block_id)

@@ -18,10 +18,12 @@ from typing import NamedTuple
 import torch
 
 from localrun.engine.block_manager import BlockManager, kv_bytes_per_token
+from localrun.engine.disk_cache import DiskCacheConfig, DiskKVCache, compute_signature, namespace
 from localrun.engine.model_runner import ModelRunner
 from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_type, kv_bytes_per_element
 from localrun.engine.scheduler import Scheduler, SchedulerConfig
 from localrun.engine.sequence import Sequence, SequenceStatus
+from localrun.engine.speculative import SpeculativeConfig, make_speculator
 from localrun.errors import UserError
 from localrun.model.llama import Transformer
 from localrun.sampling import SamplingParams
@@ -33,6 +35,7 @@ DEVICE_MEMORY_FRACTION = 0.5    # of free accelerator memory (the weights are al
 class StepOutput(NamedTuple):
     seq: Sequence
     token_id: int | None     # sampled this step; None for a prefill chunk short of the prompt's end
+                             # (a speculative step that keeps n tokens reports n outputs, in order)
     finished: bool           # seq.finish_reason says why ("stop", "length", "abort")
 
 
@@ -61,7 +64,8 @@ class LLMEngine:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  policy: str = "fcfs", check_stop: Callable[[Sequence], str | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, disk_cache: DiskCacheConfig | None = None,
+                 speculative: SpeculativeConfig | None = None, draft_model: Transformer | None = None):
         config = model.config
         kv_type = check_kv_type(kv_type or default_kv_type(model.dtype))
         max_positions = model.freqs.shape[0]
@@ -84,6 +88,12 @@ class LLMEngine:
                                      compute_dtype=model.dtype, devices=devices)
         self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching,
                                           hash_seed=f"{config.name}|{kv_type}".encode())
+        self.disk_cache: DiskKVCache | None = None     # the prefix cache's disk tier, if enabled
+        if disk_cache is not None and enable_prefix_caching:
+            ns = namespace(disk_cache.model_fingerprint, compute_signature(model), kv_type, block_size,
+                           self.block_manager.hash_seed.hex())
+            self.disk_cache = DiskKVCache(disk_cache, ns, self.kv_cache)
+            self.block_manager.lower_tiers.append(self.disk_cache)
         scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            enable_chunked_prefill=enable_chunked_prefill, policy=policy,
@@ -91,6 +101,8 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids),
                                    check_stop, clock)
         self.runner = ModelRunner(model, self.kv_cache)
+        self.speculator = None if speculative is None else make_speculator(
+            speculative, model, max_model_len=self.max_model_len, draft_model=draft_model)
         self.model = model
         self.kv_type = kv_type
         self.clock = clock
@@ -143,7 +155,7 @@ class LLMEngine:
         """End a request for a reason found outside the engine (e.g. a stop string)."""
         seq = self.scheduler.finish_request(request_id, finish_reason)
         if seq is not None:
-            self.runner.release(seq)
+            self._release(seq)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -154,19 +166,45 @@ class LLMEngine:
         """Schedule one batch, run it, and report each of its sequences in batch order."""
         outputs = [StepOutput(seq, None, True) for seq in self._finished_at_add]
         self._finished_at_add = []
+        if self.block_manager.lower_tiers:
+            self._load_waiting_prefixes()
+        if self.speculator is not None:     # drafts for the decoding sequences worth it
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             assert not self.scheduler.has_unfinished(), "requests wait but nothing was scheduled"
             return outputs
+        start = time.perf_counter()
         sampled = self.runner.execute(batch)
+        execute_s = time.perf_counter() - start
         finished = self.scheduler.postprocess(batch, sampled)
-        tokens = iter(sampled)
-        for entry in batch.entries:
-            token_id = next(tokens) if entry.samples_token else None
-            outputs.append(StepOutput(entry.seq, token_id, entry.seq.is_finished))
+        if self.speculator is not None:
+            self.speculator.observe(batch, execute_s)
+        for entry in batch.entries:     # a verify step may append several tokens: one output each
+            token_ids = entry.output_token_ids or [None]
+            for i, token_id in enumerate(token_ids):
+                outputs.append(StepOutput(entry.seq, token_id, entry.seq.is_finished and i == len(token_ids) - 1))
         for seq in finished:
-            self.runner.release(seq)
+            self._release(seq)
         return outputs
+
+    def _release(self, seq: Sequence) -> None:
+        """Forget a finished request's sampler and speculation state."""
+        self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    def _load_waiting_prefixes(self) -> None:
+        """Before admission, copy the prefix blocks that the sequences next in line may reuse
+        from the lower tiers (disk) into the pool, so the scheduler sees them as cache hits."""
+        room = self.scheduler.config.max_num_seqs - self.scheduler.num_running
+        for seq in self.scheduler.waiting[:max(room, 0)]:
+            self.block_manager.load_prefix(seq)
+
+    def flush(self) -> None:
+        """Wait until the disk tier has written every block it was given."""
+        if self.disk_cache is not None:
+            self.disk_cache.flush()
 
     # --- state for metrics ------------------------------------------------------------------
     def reset_prefix_cache(self) -> None:
@@ -190,6 +228,16 @@ class LLMEngine:
             "prefix_cache_hit_tokens": cache.num_hit_tokens,
             "prefix_cache_hit_rate": cache.hit_rate,
             "prefix_cache_evictions": cache.num_evictions,
+            "disk_cache_enabled": int(self.disk_cache is not None),
+            "disk_cache_hit_tokens": cache.num_tier_hit_tokens.get("disk", 0),
+            "disk_cache_loaded_blocks": cache.num_tier_loaded_blocks.get("disk", 0),
+            **({"disk_cache_bytes": self.disk_cache.num_bytes,
+                "disk_cache_files": self.disk_cache.num_files,
+                "disk_cache_max_bytes": self.disk_cache.max_bytes,
+                "disk_cache_written_blocks": self.disk_cache.stats.num_written_blocks,
+                "disk_cache_write_drops": self.disk_cache.stats.num_write_drops,
+                "disk_cache_corrupt_files": self.disk_cache.stats.num_corrupt,
+                "disk_cache_load_s": self.disk_cache.stats.load_s} if self.disk_cache is not None else {}),
             "num_preemptions": sched.num_preemptions,
             "num_steps": sched.num_steps,
             "num_prefill_tokens": sched.num_prefill_tokens,
@@ -197,4 +245,8 @@ class LLMEngine:
             "num_generated_tokens": sched.num_generated_tokens,
             "num_finished": sched.num_finished,
             "num_aborted": sched.num_aborted,
+            "spec_draft_tokens": sched.num_draft_tokens,
+            "spec_accepted_tokens": sched.num_accepted_tokens,
+            "spec_acceptance_rate": sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -2,7 +2,9 @@
 
 The batch's tokens go through the model as one flat sequence of T tokens: the matmuls see
 all of them at once, attention runs per entry (a `Segment`) on that sequence's paged view.
-Only the rows named by `batch.sample_indices()` are projected to logits. Each sequence
+Only the rows named by `batch.sample_indices()` are projected to logits: one per sampling
+entry, or 1 + k for an entry that verifies k drafts (speculative decoding), which keeps the
+accepted drafts and one more token through `verify_draft`. Each sequence
 samples with its own SamplingParams and its own seeded generator, which lives here from the
 sequence's first sample until `release`, so that a preempted and recomputed sequence draws
 the same random numbers it would have drawn alone.
@@ -14,6 +16,7 @@ import torch
 from localrun.engine.paged_kv import PagedKVCache
 from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
+from localrun.engine.speculative import verify_draft
 from localrun.model.llama import Segment, Transformer
 from localrun.sampling import SamplingParams, make_generator, sample
 
@@ -21,19 +24,29 @@ DEFAULT_PARAMS = SamplingParams()
 
 
 class ModelRunner:
+    """verify_as_decodes: run each row of a verify entry as its own one-token segment, so its
+    attention is computed exactly as a plain decode step computes it (one query over its
+    prefix). One masked segment for all k+1 rows is faster but rounds differently (about 1e-5
+    in float32), and the bfloat16 activations of the quantized kernels can grow that into a
+    different argmax at a near-tie: greedy output would then differ from plain decoding."""
 
-    def __init__(self, model: Transformer, kv_cache: PagedKVCache):
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache, verify_as_decodes: bool = True):
         self.model = model
         self.kv_cache = kv_cache
+        self.verify_as_decodes = verify_as_decodes
         self.input_device = model.tok_embeddings.device
         self.generators: dict[str, torch.Generator] = {}   # request_id -> its sampler's RNG
 
     def segments(self, batch: Batch) -> list[Segment]:
         """One Segment per entry: its rows of the flat batch and its view of the KV pool."""
-        starts = batch.query_start_locs()
-        return [Segment(start=starts[i], length=e.num_new_tokens, cache_start=e.start_position,
-                        cache=self.kv_cache.sequence_view(e.seq.block_table))
-                for i, e in enumerate(batch.entries)]
+        starts, segments = batch.query_start_locs(), []
+        for i, e in enumerate(batch.entries):
+            view = self.kv_cache.sequence_view(e.seq.block_table)
+            if e.num_draft_tokens and self.verify_as_decodes:    # in order: row j sees rows < j
+                segments += [Segment(starts[i] + j, 1, e.start_position + j, view) for j in range(e.num_new_tokens)]
+            else:
+                segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view))
+        return segments
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """float32 logits (len(batch.sample_indices()), V) of the batch's sampling rows."""
@@ -44,21 +57,32 @@ class ModelRunner:
         rows = torch.tensor(batch.sample_indices(), dtype=torch.long, device=device)       # (S,)
         return self.model(tokens, positions, self.segments(batch), rows)
 
-    def sample(self, batch: Batch, logits: torch.Tensor) -> list[int]:
-        """One token per sampling entry, in entry order (what Scheduler.postprocess takes)."""
-        sampling = [e.seq for e in batch.entries if e.samples_token]
-        assert logits.shape[0] == len(sampling)
+    def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int]]:
+        """Per sampling entry, in entry order (what Scheduler.postprocess takes): one token id,
+        or for an entry with drafts the tokens verification keeps."""
+        entries = [e for e in batch.entries if e.samples_token]
+        assert logits.shape[0] == sum(e.num_sample_rows for e in entries)
         logits = logits.cpu()
-        return [self._sample_one(seq, logits[i]) for i, seq in enumerate(sampling)]
+        out, row = [], 0
+        for entry in entries:
+            seq, params = entry.seq, entry.seq.sampling_params or DEFAULT_PARAMS
+            if entry.num_draft_tokens:
+                rows = logits[row:row + entry.num_sample_rows]
+                out.append(verify_draft(rows, entry.draft_token_ids, entry.draft_probs, params,
+                                        self._generator(seq), seq.token_ids))
+            else:   # penalty over prompt + output
+                out.append(sample(logits[row], params, self._generator(seq), seq.token_ids))
+            row += entry.num_sample_rows
+        return out
 
-    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
-        params = seq.sampling_params or DEFAULT_PARAMS
+    def _generator(self, seq: Sequence) -> torch.Generator:
         generator = self.generators.get(seq.request_id)
         if generator is None:
+            params = seq.sampling_params or DEFAULT_PARAMS
             generator = self.generators[seq.request_id] = make_generator(params.seed)
-        return sample(logits, params, generator, seq.token_ids)    # penalty over prompt + output
+        return generator
 
-    def execute(self, batch: Batch) -> list[int]:
+    def execute(self, batch: Batch) -> list[int | list[int]]:
         return self.sample(batch, self.forward(batch))
 
     def release(self, seq: Sequence) -> None:

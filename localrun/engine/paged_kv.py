@@ -20,6 +20,9 @@ int8 V, with one float32 scale per 32 values of a token's head, as llama.cpp's q
 scale per block per channel, because keys have outlier channels that a per-token scale
 would let swamp the rest (SmolLM2: next-token KL vs f32 KV 8e-4 per token, 2e-4 per channel).
 A write into a partly filled block requantizes the block's earlier tokens with the new scale.
+
+Whole blocks can be copied out (`copy_blocks`) and written back (`write_block`) exactly as
+stored, scales included: that is how the disk tier of the prefix cache saves and restores them.
 """
 from __future__ import annotations
 
@@ -109,6 +112,10 @@ class PlainStore:
     def tensors(self) -> list[torch.Tensor]:
         return [self.data]
 
+    def per_block(self) -> list[torch.Tensor]:
+        """tensors(), each viewed as (num_blocks, ...): everything one block stores is row b."""
+        return [self.blocks(t) for t in self.tensors()]
+
     def blocks(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, self.block_size, *t.shape[1:])          # (num_blocks, bs, ...)
 
@@ -173,6 +180,9 @@ class ChannelScaledStore(PlainStore):
     def tensors(self):
         return [self.data, self.scale]
 
+    def per_block(self):
+        return [self.blocks(self.data), self.scale]              # the scale is per block already
+
     def write(self, target, x):
         # the written blocks belong to this sequence alone (shared blocks are full and never
         # written), so whole blocks are rewritten: earlier tokens of the first block plus x
@@ -216,12 +226,40 @@ class PagedKVCache:
             return TokenScaledStore(*shape, kv_type, device)
 
         self.layers = [(store(True, device), store(False, device)) for device in self.devices]
+        self._named_block_tensors: dict[str, torch.Tensor] | None = None
 
     @property
     def num_bytes(self) -> int:
         """Bytes the pool occupies once every slot is written, scales included."""
         return sum(t.numel() * t.element_size()
                    for k, v in self.layers for t in k.tensors() + v.tensors())
+
+    def named_block_tensors(self) -> dict[str, torch.Tensor]:
+        """Every pool tensor as (num_blocks, ...), named "<layer>.k.<i>" / "<layer>.v.<i>"
+        (views of the pool, built once: the pool never moves)."""
+        if self._named_block_tensors is None:
+            self._named_block_tensors = {f"{layer}.{kind}.{i}": t
+                                         for layer, (k_store, v_store) in enumerate(self.layers)
+                                         for kind, store in (("k", k_store), ("v", v_store))
+                                         for i, t in enumerate(store.per_block())}
+        return self._named_block_tensors
+
+    def copy_blocks(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A host-memory copy of each block's stored K/V (quantized values and scales as they
+        are), one dict per block; one gather per pool tensor."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        copies = {name: t.index_select(0, index.to(t.device)).cpu()
+                  for name, t in self.named_block_tensors().items()}
+        return [{name: c[j] for name, c in copies.items()} for j in range(len(block_ids))]
+
+    def write_block(self, block_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what copy_blocks returned for one block (names, shapes and dtypes must match)."""
+        for name, t in self.named_block_tensors().items():
+            t[block_id].copy_(tensors[name])
+
+    def block_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of one block's tensors, to check a stored block before use."""
+        return {name: (tuple(t.shape[1:]), t.dtype) for name, t in self.named_block_tensors().items()}
 
     def write(self, layer: int, target: WriteTarget, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (t, n_kv, hd) at target."""

@@ -12,6 +12,13 @@ waits to be recomputed (its full blocks usually stay in the prefix cache, so rec
 cheap). With no such victim, a decode preempts itself and a prefill takes a smaller chunk.
 No new request is admitted in a step that preempted.
 
+Speculative decoding: a decoding sequence may carry draft tokens (`seq.draft_token_ids`, set
+by the speculator before the step). Its entry then computes the last token plus the drafts,
+and the runner samples at every one of those rows. Drafts are optional work: they take only
+the budget left after one token per decode, only the free blocks (they never preempt), and
+never reach past the context length or max_tokens. postprocess() appends the accepted drafts
+and the token after them, and frees the slots the rejected ones took.
+
 The model runner consumes the `Batch` that `schedule()` returns, then hands the sampled
 tokens to `postprocess()`, which appends them, checks stop conditions and frees finished
 sequences.
@@ -57,10 +64,26 @@ class BatchEntry:
     num_new_tokens: int
     is_prefill: bool       # False: a decode (one query token after a generated one)
     samples_token: bool    # reaches the sequence's end: sample the next token from its last position
+    draft_token_ids: tuple[int, ...] = ()   # computed after the sequence's tokens, to verify
+    draft_probs: object = None              # the proposer's (k, V) distribution, None if deterministic
+    output_token_ids: list[int] = field(default_factory=list)   # appended by postprocess()
 
     @property
     def end_position(self) -> int:
         return self.start_position + self.num_new_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows whose logits are sampled: the last token's and each draft's (0 if not sampling)."""
+        return 1 + self.num_draft_tokens if self.samples_token else 0
+
+    def input_token_ids(self) -> list[int]:
+        end = self.end_position - self.num_draft_tokens
+        return self.seq.token_ids[self.start_position:end] + list(self.draft_token_ids)
 
 
 @dataclass
@@ -80,7 +103,7 @@ class Batch:
         return not self.entries
 
     def input_token_ids(self) -> list[int]:
-        return [t for e in self.entries for t in e.seq.token_ids[e.start_position:e.end_position]]
+        return [t for e in self.entries for t in e.input_token_ids()]
 
     def positions(self) -> list[int]:
         return [p for e in self.entries for p in range(e.start_position, e.end_position)]
@@ -102,9 +125,10 @@ class Batch:
         return [list(e.seq.block_table) for e in self.entries]
 
     def sample_indices(self) -> list[int]:
-        """Flat indices of the tokens whose logits are sampled, one per sampling entry."""
+        """Flat indices of the tokens whose logits are sampled: per sampling entry, its last
+        num_sample_rows tokens (one row, or 1 + k rows when it verifies k drafts)."""
         ends = self.query_start_locs()[1:]
-        return [end - 1 for e, end in zip(self.entries, ends) if e.samples_token]
+        return [i for e, end in zip(self.entries, ends) for i in range(end - e.num_sample_rows, end)]
 
 
 @dataclass
@@ -116,6 +140,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_finished: int = 0      # aborted ones included
     num_aborted: int = 0
+    num_draft_tokens: int = 0      # drafted tokens verified
+    num_accepted_tokens: int = 0   # of those, accepted
 
 
 class Scheduler:
@@ -190,17 +216,24 @@ class Scheduler:
         scheduled: set[int] = set()   # arrival_index of the sequences in this batch
         decodes = [s for s in self.running if not s.is_prefill]
         prefills = [s for s in self.running if s.is_prefill]
+        draft_budget = budget - len(decodes)    # what one token per decode leaves
         for seq in decodes + prefills:
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
-            num_new = self._reserve_slots(seq, num_new, scheduled, preempted)
+            if drafts and not seq.is_prefill:
+                drafts = drafts[:self._num_usable_drafts(seq, len(drafts), draft_budget)]
+            else:
+                drafts = []
+            num_new = self._reserve_slots(seq, num_new + len(drafts), scheduled, preempted)
             if num_new:
-                entries.append(self._entry(seq, num_new))
+                entries.append(self._entry(seq, num_new, drafts))
                 scheduled.add(seq.arrival_index)
                 budget -= num_new
+                draft_budget -= len(drafts)
         if not preempted:    # blocks are short: let the running sequences finish first
             self._admit_waiting(budget, entries)
         if entries:
@@ -212,6 +245,16 @@ class Scheduler:
                 self.stats.num_decode_tokens += e.num_new_tokens
         assert sum(e.num_new_tokens for e in entries) <= self.config.max_num_batched_tokens
         return Batch(entries, self.block_manager.block_size, preempted)
+
+    def _num_usable_drafts(self, seq: Sequence, num_drafts: int, draft_budget: int) -> int:
+        """How many of a decode's drafts fit: the spare budget, the free blocks (drafts never
+        preempt), the context length, and max_tokens (more tokens than that are never kept)."""
+        num = min(num_drafts, draft_budget, self.max_model_len - seq.num_tokens,
+                  self.block_manager.num_appendable_tokens(seq) - seq.num_uncomputed_tokens)
+        params = seq.sampling_params
+        if params is not None and params.max_tokens is not None:
+            num = min(num, params.max_tokens - seq.num_generated_tokens - 1)
+        return max(num, 0)
 
     def _reserve_slots(self, seq: Sequence, num_new: int, scheduled: set[int],
                        preempted: list[Sequence]) -> int:
@@ -274,10 +317,13 @@ class Scheduler:
         return any(other.num_computed_tokens < end <= other.num_prompt_tokens
                    and other.token_ids[:end] == head for other in self.running)
 
-    def _entry(self, seq: Sequence, num_new: int) -> BatchEntry:
+    def _entry(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> BatchEntry:
         start = seq.num_computed_tokens
         seq.timeline.num_scheduled_steps += 1
-        return BatchEntry(seq, start, num_new, seq.is_prefill, start + num_new == seq.num_tokens)
+        probs = seq.draft_probs[:len(drafts)] if drafts and seq.draft_probs is not None else None
+        seq.draft_probs = None
+        return BatchEntry(seq, start, num_new, seq.is_prefill,
+                          start + num_new - len(drafts) == seq.num_tokens, tuple(drafts), probs)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
@@ -288,33 +334,54 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival_index)
 
     # --- after the forward pass -----------------------------------------------------
-    def postprocess(self, batch: Batch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance each entry, append the sampled tokens (one per sampling entry, in entry
-        order, i.e. in the order of batch.sample_indices()), and return the finished sequences."""
+    def postprocess(self, batch: Batch, sampled_token_ids: list) -> list[Sequence]:
+        """Advance each entry, append its sampled tokens and return the finished sequences.
+
+        sampled_token_ids has one item per sampling entry, in entry order: a token id, or for
+        an entry that verified k drafts the list the runner kept (the accepted drafts, then
+        one token from the target model: 1..k+1 ids). The tokens appended land in
+        entry.output_token_ids; a stop condition met part-way drops the rest."""
         assert len(sampled_token_ids) == sum(e.samples_token for e in batch.entries)
         now = self.clock()
         samples = iter(sampled_token_ids)
         finished = []
         for entry in batch.entries:
-            token_id = next(samples) if entry.samples_token else None
+            sampled = next(samples) if entry.samples_token else []
+            token_ids = [sampled] if isinstance(sampled, int) else list(sampled)
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue   # aborted after schedule()
             assert seq.num_computed_tokens == entry.start_position, "postprocess once per batch"
-            seq.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+            num_drafts = entry.num_draft_tokens
+            num_accepted = len(token_ids) - 1 if num_drafts else 0
+            assert 0 <= num_accepted <= num_drafts and token_ids[:num_accepted] == list(
+                entry.draft_token_ids[:num_accepted]), "only a prefix of the drafts is accepted"
+            seq.num_computed_tokens += entry.num_new_tokens - num_drafts
             timeline = seq.timeline
             if entry.is_prefill:
                 timeline.prefill_chunks.append((now, entry.num_new_tokens))
             if timeline.prefill_done is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 timeline.prefill_done = now
-            if token_id is None:
-                continue
-            seq.append_token(token_id)
-            self.stats.num_generated_tokens += 1
-            if timeline.first_token is None:
-                timeline.first_token = now
-            finish_reason = self._finish_reason(seq)
+            if num_drafts:
+                seq.num_draft_tokens += num_drafts
+                seq.num_accepted_tokens += num_accepted
+                self.stats.num_draft_tokens += num_drafts
+                self.stats.num_accepted_tokens += num_accepted
+            finish_reason = None
+            for i, token_id in enumerate(token_ids):
+                seq.append_token(token_id)
+                entry.output_token_ids.append(token_id)
+                if i < num_accepted:    # an accepted draft: its K/V were computed this step
+                    seq.num_computed_tokens += 1
+                self.stats.num_generated_tokens += 1
+                if timeline.first_token is None:
+                    timeline.first_token = now
+                finish_reason = self._finish_reason(seq)
+                if finish_reason is not None:
+                    break
+            if num_drafts:
+                self.block_manager.rollback(seq, 0)   # free the slots of the rejected drafts
+            self.block_manager.cache_full_blocks(seq)
             if finish_reason is not None:
                 self._finish(seq, finish_reason)
                 finished.append(seq)

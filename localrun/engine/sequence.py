@@ -5,6 +5,10 @@ Token model: `token_ids` is the prompt followed by the generated tokens. The fir
 (`block_table`); the rest still have to go through the model. A prefill computes many
 tokens at once (possibly in chunks), a decode computes the single last token, and a
 token is sampled whenever a step computes up to the end of `token_ids`.
+
+Speculative decoding: before a step, a proposer may put guesses for the next tokens in
+`draft_token_ids`. They are not part of `token_ids`: the step computes them after the last
+token, and only the ones the target model accepts are appended (see engine/speculative.py).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class SequenceTimeline:
     finish: float | None = None
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (done at, num tokens)
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache, first admission
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of those, loaded from a lower tier ("disk")
     num_preemptions: int = 0
     num_scheduled_steps: int = 0
 
@@ -52,6 +57,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained hash per full block
     arrival_index: int = -1               # set by the scheduler: lower is served first
     timeline: SequenceTimeline = field(default_factory=SequenceTimeline, repr=False)
+    draft_token_ids: list[int] = field(default_factory=list)   # proposed for the next step only
+    draft_probs: object = field(default=None, repr=False)  # (k, V) draft distribution; None: deterministic
+    num_draft_tokens: int = 0             # drafted tokens the target verified, over the request
+    num_accepted_tokens: int = 0          # of those, accepted
 
     def __post_init__(self, arrival_time):
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -110,6 +119,13 @@ class Sequence:
             "decode_tok_s": num_decoded / decode_s if decode_s and num_decoded > 0 else None,
             "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": t.num_cached_tokens,
+            "cached_tokens_device": t.num_cached_tokens - sum(t.cached_tokens_by_tier.values()),
+            "cached_tokens_disk": t.cached_tokens_by_tier.get("disk", 0),
+            "computed_prompt_tokens": self.num_prompt_tokens - t.num_cached_tokens,
             "generated_tokens": self.num_generated_tokens,
             "preemptions": t.num_preemptions,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                if self.num_draft_tokens else None),
         }

@@ -3,6 +3,11 @@
 Transformer -> Block -> Attention / FeedForward, gpt-fast style, with fused QKV and gate/up
 weights. One forward runs a flat batch of T tokens that may belong to several sequences:
 the matmuls see all T tokens at once, attention runs per sequence segment on its KV cache.
+
+Weights are callables `w(x) == x @ W.T` (localrun/model/quant.py): dense tensors on the
+reference path, int4/int8 codes for torch's weight-only kernels on the fast path. Each layer
+sits on the device its `DeviceMap` names (localrun/placement.py); the activations move to the
+next device once, where the device group changes.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from localrun.config import ModelConfig
+from localrun.model.quant import FileTensor, Int8Weight, PlainWeight, int8_backend, make_embedding, make_weight
+from localrun.placement import DeviceMap, all_on
 
 
 @dataclass
@@ -40,8 +47,10 @@ def rope_table(config: ModelConfig, max_positions: int, rope_freqs: torch.Tensor
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """x (T, H, hd), freqs (T, hd/2) complex -> x rotated, same dtype."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))     # (T, H, hd/2)
-    return torch.view_as_real(pairs * freqs[:, None, :]).flatten(-2).to(x.dtype)
+    if x.dtype != torch.float32:
+        return apply_rope(x.float(), freqs).to(x.dtype)
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))             # (T, H, hd/2)
+    return torch.view_as_real(pairs * freqs[:, None, :]).flatten(-2)
 
 
 class RMSNorm(nn.Module):
@@ -50,28 +59,28 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = weight, eps        # weight float32 (D,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        if x.dtype != torch.float32:                                     # normalize in float32
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, wqkv: torch.Tensor, wo: torch.Tensor, layer: int):
+    def __init__(self, config: ModelConfig, wqkv, wo, layer: int):
         super().__init__()
         self.wqkv, self.wo, self.layer = wqkv, wo, layer   # (q+2kv dims, D), (D, q dims)
         self.n_head, self.n_head_kv, self.head_dim = config.n_head, config.n_head_kv, config.head_dim
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        T, hd = x.shape[0], self.head_dim
-        q_dim, kv_dim = self.n_head * hd, self.n_head_kv * hd
-        q, k, v = F.linear(x, self.wqkv).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rope(q.view(T, self.n_head, hd), freqs)          # (T, H, hd)
-        k = apply_rope(k.view(T, self.n_head_kv, hd), freqs)       # (T, n_kv, hd)
-        v = v.view(T, self.n_head_kv, hd)
+        T, H, n_kv = x.shape[0], self.n_head, self.n_head_kv
+        qkv = self.wqkv(x).view(T, H + 2 * n_kv, self.head_dim)          # (T, H + 2 n_kv, hd)
+        q, k = apply_rope(qkv[:, :H + n_kv], freqs).split([H, n_kv], dim=1)   # q and k rotated at once
+        v = qkv[:, H + n_kv:]                                             # (T, n_kv, hd)
         if len(segments) == 1:
             out = self._attend(q, k, v, segments[0])
         else:
             out = torch.cat([self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
                                           v[s.start:s.start + s.length], s) for s in segments])
-        return F.linear(out.reshape(T, q_dim), self.wo)
+        return self.wo(out.reshape(T, H * self.head_dim))
 
     def _attend(self, q, k, v, seg: Segment) -> torch.Tensor:
         """Causal attention of one segment's queries over its cached prefix plus itself."""
@@ -88,25 +97,52 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+    def __init__(self, w13, w2):
         super().__init__()
         self.w13, self.w2 = w13, w2        # (2*F, D) gate then up, (D, F)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2)
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate).mul_(up))
+
+
+class WeightBuilder:
+    """Builds the model's weights on their devices, from dequantized tensors (`load_weights`,
+    the reference) or from the file's tensors (`file_weights`), kept quantized if `quantized`."""
+
+    def __init__(self, weights: dict, dtype: torch.dtype, quantized: bool):
+        self.weights, self.dtype, self.quantized = weights, dtype, quantized
+
+    def linear(self, names: list[str], device: str):
+        parts = [self.weights[n] for n in names]
+        if isinstance(parts[0], FileTensor):
+            return make_weight(parts, torch.device(device), self.dtype, self.quantized)
+        return PlainWeight(torch.cat(parts).to(device=device, dtype=self.dtype))
+
+    def embedding(self, name: str, device: str):
+        t = self.weights[name]
+        if isinstance(t, FileTensor):
+            return make_embedding(t, torch.device(device), self.dtype, self.quantized)
+        return PlainWeight(t.to(device=device, dtype=self.dtype))
+
+    def vector(self, name: str, device: str) -> torch.Tensor:
+        t = self.weights[name]
+        if isinstance(t, FileTensor):
+            t = torch.from_numpy(t.to_float().reshape(-1).copy())
+        return t.to(device=device, dtype=torch.float32)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], layer: int):
+    def __init__(self, config: ModelConfig, build: WeightBuilder, layer: int, device: str = "cpu", group: int = -1):
         super().__init__()
         p = f"blk.{layer}."
-        wqkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
-        w13 = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
-        self.attention_norm = RMSNorm(w[p + "attn_norm.weight"], config.rms_eps)
-        self.attention = Attention(config, wqkv, w[p + "attn_output.weight"], layer)
-        self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"], config.rms_eps)
-        self.feed_forward = FeedForward(w13, w[p + "ffn_down.weight"])
+        self.device, self.group = torch.device(device), group
+        wqkv = build.linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], device)
+        w13 = build.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], device)
+        self.attention_norm = RMSNorm(build.vector(p + "attn_norm.weight", device), config.rms_eps)
+        self.attention = Attention(config, wqkv, build.linear([p + "attn_output.weight"], device), layer)
+        self.ffn_norm = RMSNorm(build.vector(p + "ffn_norm.weight", device), config.rms_eps)
+        self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device))
 
     def forward(self, x, freqs, segments):
         h = x + self.attention(self.attention_norm(x), freqs, segments)
@@ -114,24 +150,56 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_positions: int):
+    def __init__(self, config: ModelConfig, weights: dict, *, max_positions: int,
+                 device_map: DeviceMap | None = None, quantized: bool = False, dtype: torch.dtype | None = None):
+        """weights: name -> tensor (load_weights: dequantized) or FileTensor (file_weights; held
+        quantized where a kernel exists when `quantized`). dtype: the compute dtype."""
         super().__init__()
         self.config = config
-        self.tok_embeddings = weights["token_embd.weight"]                     # (V, D)
-        self.output = self.tok_embeddings if config.tied_output else weights["output.weight"]
-        self.layers = nn.ModuleList(Block(config, weights, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(weights["output_norm.weight"], config.rms_eps)
-        self.freqs = rope_table(config, max_positions, weights.get("rope_freqs.weight"))
-        self.dtype = self.tok_embeddings.dtype
+        embd = weights["token_embd.weight"]
+        self.dtype = dtype or (embd.dtype if isinstance(embd, torch.Tensor) else torch.float32)
+        self.device_map = dm = device_map or all_on("cpu", config.n_layers)
+        assert len(dm.layer_devices) == config.n_layers
+        build = WeightBuilder(weights, self.dtype, quantized)
+        self.tok_embeddings = build.embedding("token_embd.weight", dm.embedding_device)   # (V, D)
+        self.output = self._head(build, dm)                                              # (V, D)
+        self.layers = nn.ModuleList(Block(config, build, i, dm.layer_devices[i], dm.layer_groups[i])
+                                    for i in range(config.n_layers))
+        self.norm = RMSNorm(build.vector("output_norm.weight", dm.head_device), config.rms_eps)
+        self.head_device, self.head_group = torch.device(dm.head_device), dm.head_group
+        self.embedding_group = dm.embedding_group
+        rope_freqs = build.vector("rope_freqs.weight", "cpu") if "rope_freqs.weight" in weights else None
+        self.freqs = rope_table(config, max_positions, rope_freqs).to(dm.embedding_device)
+        self.weight_format = "quantized" if quantized else "dequantized"
+
+    def _head(self, build: WeightBuilder, dm: DeviceMap):
+        if not self.config.tied_output:
+            return build.linear(["output.weight"], dm.head_device)
+        embd = self.tok_embeddings      # tied: share the table where it can serve as the head too
+        if embd.device == torch.device(dm.head_device) and (
+                not isinstance(embd, Int8Weight) or int8_backend(embd.device.type)):
+            return embd
+        return build.linear(["token_embd.weight"], dm.head_device)
+
+    @staticmethod
+    def cross(x: torch.Tensor, freqs: torch.Tensor, device: torch.device):
+        """Move the activations (and the rotary table rows) to the next device group's device."""
+        return x.to(device, non_blocking=True), freqs.to(device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions (T,) -> float32 logits (len(logits_rows) or T, V)."""
-        x = self.tok_embeddings[tokens]                                      # (T, D)
+        x = self.tok_embeddings.rows(tokens).to(self.dtype)                   # (T, D)
         freqs = self.freqs[positions]                                        # (T, hd/2)
+        group = self.embedding_group
         for layer in self.layers:
+            if layer.group != group:
+                x, freqs = self.cross(x, freqs, layer.device)
+                group = layer.group
             x = layer(x, freqs, segments)
+        if self.head_group != group:
+            x, freqs = self.cross(x, freqs, self.head_device)
         if logits_rows is not None:
-            x = x[logits_rows]
-        return F.linear(self.norm(x), self.output).float()
+            x = x[logits_rows.to(x.device)]
+        return self.output(self.norm(x)).float()

@@ -113,11 +113,14 @@ class Server:
             raise APIError(400, str(e)) from None
 
     # --- prompts -------------------------------------------------------------------------
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
+        """The prompt's token ids, and how many of the oldest messages were left out so that the
+        conversation fits the context (system messages and the last turn always stay)."""
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         try:
-            return self.llm.chat_prompt_ids(messages)
+            messages, dropped = self.llm.fit_chat(messages, body.requested_max_tokens())
+            return self.llm.chat_prompt_ids(messages), dropped
         except UserError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -241,9 +244,15 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         body = parse(ChatCompletionRequest, await server.read_body(request))
         body.refuse_unsupported()
         name = server.check_model(body.model)
-        prompt_ids = server.chat_prompt(body)
+        prompt_ids, dropped = server.chat_prompt(body)
         params = server.sampling_params(body, prompt_ids)
         sreq = server.submit(prompt_ids, params, "chatcmpl")
+        if dropped:
+            log.info("%s: dropped the %d oldest messages to fit the context of %d", sreq.request_id, dropped,
+                     llm.n_ctx)
+
+        def chat_timings(event: Event) -> dict:
+            return {**timings_ms(event.timings), "dropped_messages": dropped}
         created = int(time.time())
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
@@ -255,7 +264,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         if body.stream:
             first = chunk({"role": "assistant", "content": ""})
             return sse(stream_events(server, sreq, body, first, lambda text: chunk({"content": text}),
-                                     lambda ev: chunk({}, ev.finish_reason, timings=timings_ms(ev.timings)),
+                                     lambda ev: chunk({}, ev.finish_reason, timings=chat_timings(ev)),
                                      "chat.completion.chunk", name, created, shutdown := anyio.Event()),
                        shutdown)
         text, event = await collect(server, request, sreq)
@@ -263,7 +272,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         return {"id": sreq.request_id, "object": "chat.completion", "created": created, "model": name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": event.finish_reason, "logprobs": None}],
-                "usage": usage(event), "timings": timings_ms(event.timings)}
+                "usage": usage(event), "timings": chat_timings(event)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

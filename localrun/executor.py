@@ -1,0 +1,67 @@
+"""Build the model the way this machine should run it: where each layer goes (layerplan's plan)
+and whether the weights stay quantized.
+
+Weights stay quantized (int4 / int8, torch's weight-only kernels) unless one of these asks for
+the plain reference path, dequantized weights in the compute dtype:
+- `quantized=False`, or the environment variable LOCALRUN_REFERENCE=1;
+- an explicit dtype="float32": the kernels take bfloat16 activations, so float32 arithmetic
+  in every matmul needs the dequantized weights.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from localrun.gguf_file import GGUFModelFile
+from localrun.loader import file_weights, load_weights
+from localrun.model.llama import Transformer
+from localrun.placement import DeviceMap, all_on, parse_gpu_layers, plan_device_map
+
+REFERENCE_ENV = "LOCALRUN_REFERENCE"
+
+
+def use_quantized(quantized: bool | None, dtype: torch.dtype | str | None) -> bool:
+    """Whether to keep the file's quantized weights quantized (see the module docstring)."""
+    if quantized is not None:
+        return quantized
+    if os.environ.get(REFERENCE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    requested = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return requested != torch.float32
+
+
+def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantized: bool,
+                n_gpu_layers=None, device_map: DeviceMap | None = None, n_parallel: int = 1,
+                kv_type: str | None = None) -> Transformer:
+    """The Transformer of `file` placed by `device_map`, or by layerplan for `n_gpu_layers`
+    ('auto', None or a number; all-CPU on a machine without a GPU)."""
+    if device_map is None:
+        if parse_gpu_layers(n_gpu_layers) in (None, 0) and not torch.cuda.is_available():
+            device_map = all_on("cpu", file.config.n_layers)
+        else:
+            device_map = plan_device_map(file.path, n_gpu_layers, n_ctx=n_ctx, n_parallel=n_parallel,
+                                         kv_type=kv_type)
+    if quantized:
+        weights = file_weights(file)
+    else:
+        weights = load_weights(file, dtype)
+    model = Transformer(file.config, weights, max_positions=n_ctx, device_map=device_map,
+                        quantized=quantized, dtype=dtype)
+    del weights
+    release_free_memory()
+    return model
+
+
+def release_free_memory() -> None:
+    """Hand the heap the loader freed (per-layer conversion temporaries) back to the OS: glibc
+    keeps freed small blocks for reuse, which would count as resident memory for nothing.
+    A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,105 @@
+"""Which device runs each part of the model: layerplan's plan turned into a `DeviceMap`.
+
+A DeviceMap names, per repeating layer, the device that holds its weights and KV cache, and
+the device group it belongs to; the model moves its activations to the next group's device
+exactly where the group changes (once per boundary). Groups, not devices, mark the boundaries
+so that a map with two groups that are both the CPU runs the boundary code on machines
+without a GPU (the tests do that).
+
+`--gpu-layers` counts as llama.cpp's -ngl (the last N layers; n_layers + 1 adds the output
+head); 'auto' lets layerplan choose, which on a machine without a GPU is all-CPU.
+Plain Python: imports neither torch nor the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localrun.errors import UserError
+
+HOST = "cpu"
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    layer_devices: tuple[str, ...]     # per layer: "cpu", "cuda:0", ...
+    layer_groups: tuple[int, ...]      # per layer: its device group (a boundary wherever this changes)
+    head_device: str = HOST            # final norm + output head (+ logits)
+    head_group: int = -1               # -1: the host's group
+    embedding_device: str = HOST       # the token table is a lookup: it stays in host memory
+    embedding_group: int = -1
+    summary: str = ""
+
+    @property
+    def n_gpu_layers(self) -> int:
+        return sum(d != HOST for d in self.layer_devices) + int(self.head_device != HOST)
+
+    def boundaries(self) -> int:
+        """How many times one forward moves the activations to another group."""
+        groups = [self.embedding_group, *self.layer_groups, self.head_group]
+        return sum(a != b for a, b in zip(groups, groups[1:]))
+
+
+def all_on(device: str, n_layers: int) -> DeviceMap:
+    group = -1 if device == HOST else 0
+    return DeviceMap((device,) * n_layers, (group,) * n_layers, device, group,
+                     summary=f"plan: all {n_layers} layers and the output head on {device}")
+
+
+def split_map(n_layers: int, first_group_layers: int, devices: tuple[str, str] = (HOST, HOST)) -> DeviceMap:
+    """The first `first_group_layers` layers in group 0 on devices[0], the rest and the head in
+    group 1 on devices[1] (the embedding stays on the host): a two-group map for tests and tuning."""
+    k = first_group_layers
+    return DeviceMap((devices[0],) * k + (devices[1],) * (n_layers - k), (0,) * k + (1,) * (n_layers - k),
+                     devices[1], 1, summary=f"plan: layers 0-{k - 1} on {devices[0]}, "
+                     f"layers {k}-{n_layers - 1} and the output head on {devices[1]}")
+
+
+def parse_gpu_layers(value) -> int | None:
+    """'auto' or None -> None (layerplan chooses); a number -> that number (>= 0)."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"gpu layers takes 'auto' or a number, not '{value}'") from None
+    if n < 0:
+        raise UserError(f"gpu layers must be 'auto' or a number from 0 up, got {n}")
+    return n
+
+
+def plan_device_map(model_path, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1, kv_type: str = "f16",
+                    machine=None) -> DeviceMap:
+    """Ask layerplan where each layer goes on this machine (or `machine`), as a DeviceMap."""
+    import layerplan
+    n = parse_gpu_layers(n_gpu_layers)
+    profile = layerplan.profile_gguf(model_path)
+    machine = machine or layerplan.probe_machine()
+    if n is None and not machine.gpus:
+        return all_on(HOST, profile.n_layers)
+    try:
+        plan = layerplan.plan(profile, machine, n_ctx=n_ctx, n_parallel=n_parallel,
+                              kv_type=kv_type or "f16", n_gpu_layers=n, with_sweep=False)
+    except ValueError as err:              # PlanError: e.g. layers pinned to a GPU that is not there
+        raise UserError(str(err)) from None
+    return device_map_from_plan(plan)
+
+
+def device_map_from_plan(plan) -> DeviceMap:
+    """layerplan's Plan -> DeviceMap: machine device i is 'cuda:i' for GPUs, the host 'cpu'."""
+    p, devices = plan.placement, plan.machine.devices
+
+    def name(i: int) -> str:
+        d = devices[i]
+        return HOST if d.kind != "gpu" else f"cuda:{d.index if d.index is not None else i}"
+
+    def group(i: int) -> int:
+        return -1 if devices[i].kind != "gpu" else i
+
+    n_on_gpu = sum(devices[i].kind == "gpu" for i in p.layer_devices)
+    head = name(p.head_device)
+    summary = (f"plan: {n_on_gpu}/{len(p.layer_devices)} layers on GPU, output head on {head}, "
+               f"predicted decode {plan.predicted.decode_tok_s:.0f} tok/s"
+               + ("" if plan.fits else " (does not fit: " + " ".join(plan.reasons[:1]) + ")"))
+    return DeviceMap(tuple(name(i) for i in p.layer_devices), tuple(group(i) for i in p.layer_devices),
+                     head, group(p.head_device), summary=summary)
+

@@ -1,0 +1,167 @@
+"""Quantized weights (localrun/model/quant.py) against the reference path: the int4 mapping of
+Q4_0/Q4_1/Q4_K is exact, the kernels multiply by those weights, the fast model agrees with
+the dequantized one, and on the real model resident memory stays near the file size."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from localrun.api import LLM
+from localrun.gguf_file import open_gguf
+from localrun.loader import file_tensor
+from localrun.model.quant import (ConcatWeight, FileTensor, Int4Weight, Int8Weight, PlainWeight, int4_backend,
+                                  int4_groups, int8_backend, make_weight)
+from reference_forward import compare_logits
+
+IDS = [5, 77, 300, 12, 12, 199, 3, 250, 41, 8, 160, 90, 17, 311, 64, 2]
+needs_int4 = pytest.mark.skipif(int4_backend("cpu") is None, reason="this torch has no CPU int4 kernel")
+needs_int8 = pytest.mark.skipif(not int8_backend("cpu"), reason="this torch has no CPU int8 kernel")
+
+
+def ffn_tensor(path, name="blk.0.ffn_up.weight") -> FileTensor:
+    return file_tensor(open_gguf(path), name)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_groups_equal_gguf_dequantize(tiny_gguf, tensor_type):
+    t = ffn_tensor(tiny_gguf(tensor_type))
+    groups = int4_groups(t.raw, t.qtype, t.shape)
+    assert groups.codes.min() >= 0 and groups.codes.max() <= 15
+    expected = dequantize(t.raw, t.qtype).reshape(t.shape)
+    np.testing.assert_allclose(groups.dequantize(), expected, rtol=1e-6, atol=1e-7)
+
+
+@needs_int4
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_kernel_multiplies_by_the_file_weights(tiny_gguf, tensor_type):
+    t = ffn_tensor(tiny_gguf(tensor_type))
+    exact = torch.from_numpy(t.to_float())
+    x = torch.randn(5, t.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = x @ exact.T
+    groups = int4_groups(t.raw, t.qtype, t.shape)
+    errors = {}
+    for residual in (False, True):
+        w = Int4Weight.from_groups(groups, torch.device("cpu"), residual=residual)
+        errors[residual] = float((w(x) - expected).norm() / expected.norm())
+    # bfloat16 activations and outputs leave ~0.3%; the residual pass removes the scale rounding
+    assert errors[True] < 4e-3 and errors[True] < errors[False], errors
+    # a prompt-sized batch dequantizes the packed codes to float32: the reference up to the
+    # bfloat16 rounding of the scale residuals
+    if w.can_dequantize:
+        np.testing.assert_allclose(w.dequantize().numpy(), exact.numpy(), rtol=1e-4, atol=1e-5)
+        x = torch.randn(Int4Weight.DEQUANT_MIN_ROWS, t.shape[1], generator=torch.Generator().manual_seed(2))
+        assert float((w(x) - x @ exact.T).norm() / (x @ exact.T).norm()) < 1e-5
+
+
+@needs_int8
+def test_int8_levels_and_exact_top():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((300, 64)) * rng.uniform(0.01, 1, (300, 1))).astype(np.float32)
+    w[:, 0] *= 20                                    # an outlier column: one scale a row suffers
+    err = {levels: float(np.abs(Int8Weight.from_float(w, torch.device("cpu"), levels).dequantize().numpy() - w).max())
+           for levels in (1, 2)}
+    assert err[2] < err[1] / 50, err
+    head = Int8Weight.from_float(w, torch.device("cpu"), levels=2, split_activations=True, refine_top=True)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    expected = x @ torch.from_numpy(w).T
+    got = head(x)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    top = expected.argmax(-1, keepdim=True)
+    assert torch.allclose(got.gather(1, top), expected.gather(1, top), rtol=1e-4)
+    assert torch.allclose(head.rows(torch.tensor([3, 7])), torch.from_numpy(w[[3, 7]]), atol=err[2] * 1.01)
+
+
+@needs_int4
+def test_parts_of_different_types_fuse_into_one_output(tiny_gguf):
+    q4 = ffn_tensor(tiny_gguf("Q4_0"), "blk.0.attn_q.weight")
+    q6 = ffn_tensor(tiny_gguf("Q6_K"), "blk.0.attn_k.weight")
+    w = make_weight([q4, q6], torch.device("cpu"), torch.float32, quantized=True)
+    assert isinstance(w, ConcatWeight) and isinstance(w.parts[0], Int4Weight) and isinstance(w.parts[1], PlainWeight)
+    x = torch.randn(3, q4.shape[1])
+    expected = x @ torch.from_numpy(np.concatenate([q4.to_float(), q6.to_float()])).T
+    assert float((w(x) - expected).norm() / expected.norm()) < 4e-3
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_fast_path_agrees_with_reference(tiny_gguf, tensor_type):
+    path = tiny_gguf(tensor_type)
+    fast, ref = LLM(path, n_threads=1), LLM(path, n_threads=1, quantized=False)
+    kind = Int4Weight if tensor_type != "Q8_0" else Int8Weight
+    if (kind is Int4Weight and int4_backend("cpu") is None) or (kind is Int8Weight and not int8_backend("cpu")):
+        pytest.skip("no kernel for this type here")
+    assert isinstance(fast.model.layers[0].attention.wqkv, kind)
+    assert isinstance(ref.model.layers[0].attention.wqkv, PlainWeight)
+    cmp = compare_logits(ref.logits(IDS).numpy().astype(np.float64), fast.logits(IDS).numpy())
+    # random tiny weights have near-tied logits, so top-1 may flip where the gap is tiny
+    assert cmp.mean_kl < 2e-3 and cmp.top1_agreement >= 0.85 and cmp.max_top1_regret < 0.1, cmp
+
+
+def test_reference_path_switches(tiny_gguf, monkeypatch):
+    path = tiny_gguf("Q4_1")
+    assert isinstance(LLM(path, dtype="float32", n_threads=1).model.layers[0].attention.wqkv, PlainWeight)
+    monkeypatch.setenv("LOCALRUN_REFERENCE", "1")
+    assert isinstance(LLM(path, n_threads=1).model.layers[0].attention.wqkv, PlainWeight)
+    if int4_backend("cpu"):
+        assert isinstance(LLM(path, n_threads=1, quantized=True).model.layers[0].attention.wqkv, Int4Weight)
+
+
+# --- the real model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_path():
+    from localrun.models import DEFAULT_MODEL, pull
+    return pull(DEFAULT_MODEL, quiet=True)
+
+
+@pytest.mark.model
+@needs_int4
+def test_real_model_fast_path_teacher_forced_agreement(model_path):
+    """Teacher-forced one token at a time (the decode kernels: int4 layers, int8 head) against
+    the dequantized float32 reference: top-1 agreement at least 99%."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from corpus import FIDELITY_TEXT
+    fast = LLM(model_path, n_ctx=1024)
+    assert isinstance(fast.model.layers[0].attention.wqkv, Int4Weight)
+    ids = fast.tokenize(FIDELITY_TEXT)
+    prompt = 16                                      # a short prefill, then every position decoded
+    runner = fast.runner
+    rows = [runner.forward(ids[:prompt], 0, all_logits=True)]
+    rows += [runner.forward([t], i, all_logits=True) for i, t in enumerate(ids[prompt:], start=prompt)]
+    got = torch.cat(rows).numpy()
+    del fast, runner, rows
+    expected = LLM(model_path, n_ctx=1024, quantized=False).logits(ids).numpy().astype(np.float64)
+    cmp = compare_logits(expected[prompt:], got[prompt:])
+    print(f"\nfast decode vs reference over {len(ids) - prompt} positions: top-1 {cmp.top1_agreement:.4f}, "
+          f"mean KL {cmp.mean_kl:.5f}")
+    assert cmp.top1_agreement >= 0.99 and cmp.mean_kl < 2e-3, cmp
+
+
+RSS_SCRIPT = """
+import gc, json, os, sys, psutil, torch
+import localrun.api, localrun.engine.llm_engine, layerplan
+proc = psutil.Process()
+torch.ones(64) @ torch.ones(64)
+gc.collect()
+before = proc.memory_info().rss
+llm = localrun.api.LLM(sys.argv[1], n_ctx=512)
+after = proc.memory_info().rss
+print(json.dumps({"growth": after - before, "file": os.path.getsize(sys.argv[1])}))
+"""
+
+
+@pytest.mark.model
+@needs_int4
+def test_real_model_resident_memory(model_path):
+    """RSS growth from loading the model (in a fresh process) is at most 1.6x the file size."""
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model_path)], capture_output=True, text=True,
+                         check=True, timeout=300)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\nRSS growth {m['growth'] / 1e6:.1f} MB for a {m['file'] / 1e6:.1f} MB file "
+          f"({m['growth'] / m['file']:.2f}x)")
+    assert m["growth"] <= 1.6 * m["file"], m

@@ -1,0 +1,49 @@
+"""`localrun tune`: the sweep measures every setting, the choice follows its rule, and the
+profile round-trips through $LOCALRUN_HOME for chat and serve."""
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from localrun.cli import app
+from localrun.tune import TuneRow, best_row, load_profile, profile_path, save_profile, sweep
+
+
+def row(threads, chunk, prefill, decode):
+    return TuneRow(0, threads, chunk, prefill, decode, None, None)
+
+
+def test_best_row_prefers_decode_then_prefill():
+    rows = [row(1, 64, 900.0, 50.0), row(2, 64, 500.0, 80.0), row(2, 128, 700.0, 79.0), row(4, 64, 990.0, 60.0)]
+    assert best_row(rows) == rows[2]          # within 3% of the best decode, faster prefill
+
+
+def test_sweep_and_profile_round_trip(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path))
+    path = tiny_gguf("Q4_0")
+    assert load_profile(path) == {}
+    steps = []
+    rows = list(sweep(path, threads=[1], chunks=[8, 32], gpu_layers=[0], prompt_tokens=32, gen_tokens=2,
+                      on_step=steps.append))
+    assert [(r.n_threads, r.chunk) for r in rows] == [(1, 8), (1, 32)]
+    assert all(r.prefill_tok_s > 0 and r.decode_tok_s > 0 for r in rows) and steps
+    assert rows[0].decode_tok_s == rows[1].decode_tok_s         # decode is timed once per thread count
+    saved = save_profile(path, best_row(rows), rows, machine="test")
+    assert saved == profile_path(path) and saved.is_relative_to(tmp_path)
+    assert load_profile(path) == {"n_threads": 1, "n_gpu_layers": 0, "max_num_batched_tokens": best_row(rows).chunk}
+    saved.write_text("{not json")
+    assert load_profile(path) == {}
+
+
+def test_cli_tune_json(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path))
+    path = tiny_gguf("F32")
+    result = CliRunner().invoke(app, ["tune", str(path), "-t", "1", "--chunks", "16", "--prompt-tokens", "16",
+                                      "--gen-tokens", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output.strip().splitlines()[-1])
+    assert len(data["rows"]) == 1 and data["best"]["chunk"] == 16
+    assert load_profile(path)["n_threads"] == 1
+    bad = CliRunner().invoke(app, ["tune", str(path), "--chunks", "many"])
+    assert bad.exit_code != 0 and "numbers separated by commas" in str(bad.exception)
