@@ -47,3 +47,17 @@ def test_cli_tune_json(tiny_gguf, tmp_path, monkeypatch):
     assert load_profile(path)["n_threads"] == 1
     bad = CliRunner().invoke(app, ["tune", str(path), "--chunks", "many"])
     assert bad.exit_code != 0 and "numbers separated by commas" in str(bad.exception)
+
+
+def test_apply_profile_fills_only_what_the_user_left_unset(tiny_gguf, tmp_path, monkeypatch):
+    from localrun.tune import apply_profile
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path))
+    model = tiny_gguf("F32")
+    assert apply_profile(model, None, {"n_gpu_layers": "auto"}) == (None, {"n_gpu_layers": "auto"}, False)
+    best = TuneRow(n_gpu_layers=0, n_threads=1, chunk=256, prefill_tok_s=10.0, decode_tok_s=5.0,
+                   predicted_prefill_tok_s=None, predicted_decode_tok_s=None)
+    save_profile(model, best, [best], "test machine")
+    threads, options, used = apply_profile(model, None, {"n_gpu_layers": "auto"})
+    assert used and threads == 1 and options == {"n_gpu_layers": 0, "max_num_batched_tokens": 256}
+    threads, options, _ = apply_profile(model, 2, {"n_gpu_layers": 3, "max_num_batched_tokens": 64})
+    assert threads == 2 and options == {"n_gpu_layers": 3, "max_num_batched_tokens": 64}
