@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -268,6 +269,40 @@ def test_writes_do_not_block_requests(model_path, reference, tmp_path, monkeypat
     gate.set()
     llm.close()
     assert len(block_files(tmp_path / "kv")) == 13
+
+
+def test_writes_wait_for_the_engine_to_be_idle(model_path, reference, tmp_path, monkeypatch):
+    """No block is written while a request is in flight (a write competes with the step for the
+    CPU); all are written once the engine is idle, without a flush."""
+    busy_at_write = []
+    real_write = disk_cache.BlockFiles._write
+
+    def recording_write(self, *args):
+        busy_at_write.append(llm.engine.scheduler.has_unfinished())
+        return real_write(self, *args)
+
+    monkeypatch.setattr(disk_cache.BlockFiles, "_write", recording_write)
+    llm = make_llm(model_path, tmp_path / "kv")
+    seq_a = llm.engine.add_request("a", PROMPT, llm_params())
+    llm.engine.add_request("b", random_ids(120, seed=7), llm_params())
+    while not seq_a.is_finished:
+        llm.engine.step()
+    assert busy_at_write == [], "a block was written while requests were in flight"
+    files = llm.engine.disk_cache.files
+    assert files.queue.unfinished_tasks > 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    deadline = time.monotonic() + 30
+    while files.queue.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert busy_at_write and not any(busy_at_write)
+    assert len(block_files(tmp_path / "kv")) == 13 + 8     # 211 and 131 computed tokens, 16 a block
+    assert llm.generate(PROMPT, **GREEDY).token_ids == reference
+
+
+def llm_params():
+    from localrun.sampling import SamplingParams
+    return SamplingParams(**GREEDY)
 
 
 def test_full_queue_drops_writes_instead_of_waiting(model_path, tmp_path, monkeypatch):

@@ -76,6 +76,10 @@ class KVTier(Protocol):
     def store(self, blocks: list[tuple[bytes, tuple[int, ...], int]]) -> None:
         """Keep a copy of these (hash, token ids, pool block id) blocks; must not block for long."""
 
+    def set_busy(self, busy: bool) -> None:
+        """The engine has requests in flight (True) or none (False): slow work such as disk
+        writes waits for the idle time between requests, so it never competes with a step."""
+
 
 @dataclass
 class PrefixCacheStats:

@@ -156,6 +156,8 @@ class LLMEngine:
         seq = self.scheduler.finish_request(request_id, finish_reason)
         if seq is not None:
             self._release(seq)
+            if not self.scheduler.has_unfinished():
+                self._set_tiers_busy(False)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -173,7 +175,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             assert not self.scheduler.has_unfinished(), "requests wait but nothing was scheduled"
+            self._set_tiers_busy(False)
             return outputs
+        self._set_tiers_busy(True)
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
         execute_s = time.perf_counter() - start
@@ -186,7 +190,13 @@ class LLMEngine:
                 outputs.append(StepOutput(entry.seq, token_id, entry.seq.is_finished and i == len(token_ids) - 1))
         for seq in finished:
             self._release(seq)
+        if not self.scheduler.has_unfinished():
+            self._set_tiers_busy(False)
         return outputs
+
+    def _set_tiers_busy(self, busy: bool) -> None:
+        for tier in self.block_manager.lower_tiers:
+            tier.set_busy(busy)
 
     def _release(self, seq: Sequence) -> None:
         """Forget a finished request's sampler and speculation state."""
