@@ -249,6 +249,24 @@ def linear_cost(fixed: float, per_token: float):
     return StepCostModel(lambda t: fixed + per_token * t)
 
 
+def test_rowwise_verify_attends_each_row_exactly_as_a_decode_segment(model):
+    """A verify entry's rowwise segment (one cache write and read, k+1 attention calls) gives
+    bit for bit the rows of k+1 one-token segments, each a decode step's attention."""
+    from localrun.engine.draft_model import DraftKVCache, layer_devices
+    from localrun.model.llama import Segment
+    c = model.config
+    ids = torch.tensor(random.Random(3).choices(range(3, c.n_vocab), k=45))
+    pos = torch.arange(45)
+    caches = [DraftKVCache(c.n_layers, c.n_head_kv, c.head_dim, model.dtype, capacity=64,
+                           devices=layer_devices(model)) for _ in range(2)]
+    for cache in caches:
+        model(ids[:40], pos[:40], [Segment(0, 40, 0, cache)], pos[:1])
+    rows = torch.arange(5)
+    rowwise = model(ids[40:], pos[40:], [Segment(0, 5, 40, caches[0], rowwise=True)], rows)
+    decodes = model(ids[40:], pos[40:], [Segment(j, 1, 40 + j, caches[1]) for j in range(5)], rows)
+    assert torch.equal(rowwise, decodes)
+
+
 def test_expected_tokens():
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
@@ -257,10 +275,10 @@ def test_expected_tokens():
 def test_controller_speculates_when_it_pays_and_stops_when_not():
     cheap = AdaptiveController(4, linear_cost(1.0, 0.01))    # memory-bound: 5 rows cost 1.04x one
     assert cheap.plan(["a"], [10], num_decodes=1, base_tokens=1) == [4]
-    # a plain step costs 1.2, each extra row 0.2: at the prior acceptance 0.5, k=2 is best
-    # (E = 1.75 tokens for 1.4/1.2 of the cost: speedup 1.31 against 1.29 for k=1, 1.25 for k=3)
+    # a plain step costs 1.2, each extra row 0.2. A new request is planned at the best case
+    # (acceptance 1): k=4 gives 5 tokens for 2.0/1.2 of the cost, a speedup of 3
     c = AdaptiveController(4, linear_cost(1.0, 0.2))
-    assert c.plan(["a"], [10], num_decodes=1, base_tokens=1) == [2]
+    assert c.plan(["a"], [10], num_decodes=1, base_tokens=1) == [4]
     for _ in range(6):                                       # every draft rejected
         c.observe_acceptance("a", 4, 0)
     # acceptance ~0.09: no k pays (k=1: 1.09 tokens for 1.17x the cost)
@@ -269,8 +287,30 @@ def test_controller_speculates_when_it_pays_and_stops_when_not():
     assert c.requests["a"].off_steps == 8 and c.stats()["spec_request_cooldowns"] == 1
     plans = [c.plan(["a"], [10], num_decodes=1, base_tokens=1)[0] for _ in range(8)]
     assert plans == [0] * 8 and c.requests["a"].off_steps == 0
-    assert c.plan(["a"], [10], num_decodes=1, base_tokens=1) == [2]     # retried after the cool-down
+    assert c.plan(["a"], [10], num_decodes=1, base_tokens=1) == [4]     # retried after the cool-down
+    # one rejection of 4 drafts, with the prior: acceptance (0.9*1 + 0)/(0.9*2 + 1) = 0.32;
+    # k=1 gives 1.32 tokens for 1.4/1.2 of the cost (1.13), k=2 1.43 for 1.6/1.2 (1.07)
+    c.observe_acceptance("a", 4, 0)
+    assert c.requests["a"].acceptance == pytest.approx(0.9 / 2.8)
+    assert c.plan(["a"], [10], num_decodes=1, base_tokens=1) == [1]
     assert cheap.plan(["b"], [2], num_decodes=1, base_tokens=1) == [2]   # capped by max_tokens/context
+
+
+def test_a_new_request_drafts_where_a_verify_step_is_costly():
+    """A verify step of 5 rows costs 2.9x a plain one (a 2-core CPU, measured): at the neutral
+    prior (acceptance 0.5, E <= 1.94 tokens) nothing would ever draft, so no evidence could
+    show that a copying request accepts 90% of its drafts. Planned at the best case, it
+    drafts, and its evidence keeps it drafting or stops it."""
+    cost = StepCostModel(lambda t: 1.0 + 0.475 * (t - 1))       # cost(5) / cost(1) = 2.9
+    c = AdaptiveController(4, cost)
+    assert c.plan(["copy", "story"], [10, 10], num_decodes=2, base_tokens=2) == [4, 4]
+    for _ in range(3):
+        c.observe_acceptance("copy", 4, 4)                       # every draft accepted
+        c.observe_acceptance("story", 4, 0)                      # none
+    assert c.requests["copy"].acceptance > 0.9 and c.requests["story"].acceptance < 0.2
+    assert c.plan(["copy"], [10], num_decodes=1, base_tokens=1) == [4]
+    assert c.plan(["story"], [10], num_decodes=1, base_tokens=1) == [0]
+    assert c.requests["story"].off_steps == 8
 
 
 def test_controller_turns_off_for_a_busy_batch_and_back_on():

@@ -24,11 +24,12 @@ DEFAULT_PARAMS = SamplingParams()
 
 
 class ModelRunner:
-    """verify_as_decodes: run each row of a verify entry as its own one-token segment, so its
-    attention is computed exactly as a plain decode step computes it (one query over its
-    prefix). One masked segment for all k+1 rows is faster but rounds differently (about 1e-5
-    in float32), and the bfloat16 activations of the quantized kernels can grow that into a
-    different argmax at a near-tie: greedy output would then differ from plain decoding."""
+    """verify_as_decodes: attend each row of a verify entry on its own (a `rowwise` segment),
+    so its attention is computed exactly as a plain decode step computes it (one query over
+    its prefix); the entry's K/V are still written and read once. Attending all k+1 rows at
+    once under a mask rounds differently (about 1e-5 in float32), and the bfloat16
+    activations of the quantized kernels can grow that into a different argmax at a near-tie:
+    greedy output would then differ from plain decoding."""
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache, verify_as_decodes: bool = True):
         self.model = model
@@ -42,10 +43,8 @@ class ModelRunner:
         starts, segments = batch.query_start_locs(), []
         for i, e in enumerate(batch.entries):
             view = self.kv_cache.sequence_view(e.seq.block_table)
-            if e.num_draft_tokens and self.verify_as_decodes:    # in order: row j sees rows < j
-                segments += [Segment(starts[i] + j, 1, e.start_position + j, view) for j in range(e.num_new_tokens)]
-            else:
-                segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view))
+            rowwise = bool(e.num_draft_tokens) and self.verify_as_decodes
+            segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view, rowwise))
         return segments
 
     def forward(self, batch: Batch) -> torch.Tensor:

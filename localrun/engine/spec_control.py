@@ -9,10 +9,17 @@ seen, one scratch forward), because the ratio depends on the hardware, the weigh
 the batch: on a memory-bound CPU decode a few more rows are almost free, while a busy batch is
 compute-bound and every drafted row costs about as much as a real token.
 
+A request's acceptance is only known once it has drafted, so a request with no verify step
+yet (new, or back from a cool-down) is planned as if every draft were accepted: it drafts if
+the best case pays, and its first verify step replaces that guess with evidence (weighed with
+a neutral prior of 1 accepted in 2). Starting from the neutral prior alone would never draft
+wherever a verify step costs more than 1.9x a plain one (as on a 2-core CPU): no evidence
+could ever overturn it.
+
 Two switches follow from it:
   - per request: if even the best k gives an expected speedup below 1 alone, the request stops
     drafting for a cool-down (8, 16, 32, 64 steps; back to 8 after a step that accepts every
-    draft), then tries again from a neutral prior;
+    draft), then tries again as a new request;
   - per step (global): the controller picks one cap k for the whole batch by expected
     throughput, and 0 (no drafting at all) when the batch is busy enough that verification
     costs more than it saves. It is re-decided every step, so it comes back when it pays again.
@@ -69,10 +76,16 @@ class RequestState:
     trials: float = PRIOR_TRIALS           # decayed count of drafts judged (accepted or first rejected)
     off_steps: int = 0                     # steps left without drafting
     cooldown: int = COOLDOWN_MIN           # the next cool-down's length
+    judged: bool = False                   # has a verify step since it started (or restarted)?
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.trials
+
+    @property
+    def planning_acceptance(self) -> float:
+        """What plans assume: the evidence, or before any, the best case (see the module doc)."""
+        return self.acceptance if self.judged else 1.0
 
 
 class AdaptiveController:
@@ -114,7 +127,7 @@ class AdaptiveController:
         for request_id, limit in zip(request_ids, limits):
             state = self.requests.setdefault(request_id, RequestState())
             caps.append(self._request_cap(state, min(limit, self.max_k)))
-            acceptances.append(state.acceptance)
+            acceptances.append(state.planning_acceptance)
         plain = num_decodes / self.target_cost.cost(base_tokens)     # tokens per second
         best_cap, best = 0, plain
         for cap in range(1, max(caps, default=0) + 1):
@@ -133,14 +146,14 @@ class AdaptiveController:
         """The request's best k alone, or 0 while it cools down after not paying."""
         if state.off_steps > 0:
             state.off_steps -= 1
-            if state.off_steps == 0:           # try again from the neutral prior
-                state.accepted, state.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
+            if state.off_steps == 0:           # try again, as a new request
+                state.accepted, state.trials, state.judged = PRIOR_ACCEPTED, PRIOR_TRIALS, False
             return 0
         if limit <= 0:
             return 0
         best_k, best = 0, 1.0
         for k in range(1, limit + 1):
-            speedup = self._speedup_alone(state.acceptance, k)
+            speedup = self._speedup_alone(state.planning_acceptance, k)
             if speedup > best:
                 best_k, best = k, speedup
         if best_k == 0:
@@ -168,6 +181,7 @@ class AdaptiveController:
         trials = num_accepted + (1 if num_accepted < num_drafts else 0)
         state.accepted = DECAY * state.accepted + num_accepted
         state.trials = DECAY * state.trials + trials
+        state.judged = True
         if num_accepted == num_drafts:      # a full hit: the text may have turned repetitive
             state.cooldown = COOLDOWN_MIN
 

@@ -139,10 +139,11 @@ def reference_ngram_propose(token_ids: list[int], k: int, ngram_min: int, ngram_
     return []
 
 
-def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: int = 3) -> float:
+def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: int = 3,
+                            rowwise: bool = False) -> float:
     """Seconds of one forward of num_tokens tokens after `context` cached ones, on a scratch
     cache (the best of `repeats`, after a warm-up): the controller's first estimate of a step
-    size it has not seen yet."""
+    size it has not seen yet. rowwise: attend row by row, as a verify step does."""
     from localrun.engine.draft_model import DraftKVCache, layer_devices
     c = model.config
     cache = DraftKVCache(c.n_layers, c.n_head_kv, c.head_dim, model.dtype, capacity=context + num_tokens,
@@ -154,7 +155,7 @@ def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: 
     best = float("inf")
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        model(ids[context:], positions[context:], [Segment(0, num_tokens, context, cache)],
+        model(ids[context:], positions[context:], [Segment(0, num_tokens, context, cache, rowwise)],
               torch.arange(num_tokens, device=device))
         best = min(best, time.perf_counter() - start)
     return best
@@ -258,7 +259,7 @@ def make_speculator(config: SpeculativeConfig, model, *, max_model_len: int, dra
                         f"{model.config.n_vocab}; a draft model needs the same vocabulary.")
     proposer = DraftModelProposer(draft_model) if config.method == "draft" else None
     speculator = Speculator(config, max_model_len=max_model_len,
-                            target_forward_cost=lambda t: measure_forward_seconds(model, t),
+                            target_forward_cost=lambda t: measure_forward_seconds(model, t, rowwise=True),
                             draft_proposer=proposer,
                             draft_forward_cost=(lambda b: measure_forward_seconds(draft_model, b)) if proposer else None)
     speculator.warm_up()

@@ -25,11 +25,16 @@ from localrun.placement import DeviceMap, all_on
 @dataclass
 class Segment:
     """One sequence's tokens inside a flat batch: rows start..start+length-1 of the batch,
-    at positions cache_start..cache_start+length-1 of `cache`."""
+    at positions cache_start..cache_start+length-1 of `cache`.
+    rowwise: attend each row on its own, as a one-token decode step would (one query over its
+    prefix), rather than all rows at once under a causal mask. Same cache write and read,
+    `length` small attention calls: used to verify speculative drafts, whose rows must round
+    exactly as plain decoding rounds them (see ModelRunner)."""
     start: int
     length: int
     cache_start: int
     cache: object          # has .update(layer, start, k, v) -> (k_all, v_all), (n_kv, L, hd)
+    rowwise: bool = False
 
 
 def rope_table(config: ModelConfig, max_positions: int, rope_freqs: torch.Tensor | None) -> torch.Tensor:
@@ -86,6 +91,9 @@ class Attention(nn.Module):
         """Causal attention of one segment's queries over its cached prefix plus itself."""
         k_all, v_all = seg.cache.update(self.layer, seg.cache_start, k, v)   # (n_kv, L, hd)
         t, L = q.shape[0], k_all.shape[1]
+        if seg.rowwise and t > 1:     # row i: one query over keys 0..L-t+i, as a decode step
+            return torch.cat([self._attend_one(q[i:i + 1], k_all[:, :L - t + i + 1], v_all[:, :L - t + i + 1])
+                              for i in range(t)])
         mask, causal = None, False
         if t > 1 and L == t:
             causal = True
@@ -94,6 +102,12 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None],
                                              attn_mask=mask, is_causal=causal, enable_gqa=True)
         return out[0].transpose(0, 1)                                # (t, H, hd)
+
+    @staticmethod
+    def _attend_one(q, k_all, v_all) -> torch.Tensor:
+        """One query row (1, H, hd) over all of k_all/v_all (n_kv, L, hd), as _attend does it."""
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None], enable_gqa=True)
+        return out[0].transpose(0, 1)
 
 
 class FeedForward(nn.Module):
