@@ -80,7 +80,7 @@ def main() -> None:
     n = args.requests
     sweep = [run_config(model_path, requests, args, ["--parallel", str(p), "--no-prefix-cache", *whole,
                                                      "--max-batched-tokens", str(b)])
-             for p, b in ((n // 2, 2048), (n, 2048), (n, 4096))]
+             for p, b in ((n, 2048), (n, 4096))]
     best = min(sweep, key=lambda r: r["ttft_p50_s"])
     best["step"], best["sweep"] = "continuous batching (tuned)", [
         {k: r[k] for k in ("flags", "ttft_p50_s", "ttft_p99_s", "output_tok_s")} for r in sweep]

@@ -10,11 +10,14 @@ the batch: on a memory-bound CPU decode a few more rows are almost free, while a
 compute-bound and every drafted row costs about as much as a real token.
 
 A request's acceptance is only known once it has drafted, so a request with no verify step
-yet (new, or back from a cool-down) is planned as if every draft were accepted: it drafts if
-the best case pays, and its first verify step replaces that guess with evidence (weighed with
-a neutral prior of 1 accepted in 2). Starting from the neutral prior alone would never draft
-wherever a verify step costs more than 1.9x a plain one (as on a 2-core CPU): no evidence
-could ever overturn it.
+yet (new, or back from a cool-down) starts from a neutral prior (1 accepted in 2). Where
+that prior already pays (a GPU, where extra rows are almost free) it drafts the prior's best
+k. Where it does not, it probes: it drafts the fewest tokens whose best case (all accepted)
+pays, usually 1, and that verify step's evidence decides from then on; k grows as the
+acceptance does. Planning from the prior alone would never draft wherever a verify step
+costs more than 1.9x a plain one: no evidence could ever overturn it. That is the case on a 2-core AVX2 CPU, where
+torch's int4 kernel costs about 0.48x a plain step per extra row (5 rows: 2.9x one), so a
+failed probe of 4 drafts would cost ~1.9 plain steps and one of 1 draft ~0.4.
 
 Two switches follow from it:
   - per request: if even the best k gives an expected speedup below 1 alone, the request stops
@@ -84,7 +87,8 @@ class RequestState:
 
     @property
     def planning_acceptance(self) -> float:
-        """What plans assume: the evidence, or before any, the best case (see the module doc)."""
+        """What a batch's plan assumes: the evidence, or before any, the best case, so that
+        a probe (see the module doc) is not planned away."""
         return self.acceptance if self.judged else 1.0
 
 
@@ -153,9 +157,11 @@ class AdaptiveController:
             return 0
         best_k, best = 0, 1.0
         for k in range(1, limit + 1):
-            speedup = self._speedup_alone(state.planning_acceptance, k)
+            speedup = self._speedup_alone(state.acceptance, k)
             if speedup > best:
                 best_k, best = k, speedup
+        if best_k == 0 and not state.judged:   # a probe: the cheapest draft that could pay
+            return next((k for k in range(1, limit + 1) if self._speedup_alone(1.0, k) > 1), 0)
         if best_k == 0:
             state.off_steps, state.cooldown = state.cooldown, min(2 * state.cooldown, COOLDOWN_MAX)
             self.num_request_cooldowns += 1

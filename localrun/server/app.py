@@ -250,29 +250,8 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         if dropped:
             log.info("%s: dropped the %d oldest messages to fit the context of %d", sreq.request_id, dropped,
                      llm.n_ctx)
-
-        def chat_timings(event: Event) -> dict:
-            return {**timings_ms(event.timings), "dropped_messages": dropped}
-        created = int(time.time())
-
-        def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
-            return {"data": json.dumps({
-                "id": sreq.request_id, "object": "chat.completion.chunk", "created": created, "model": name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-                **extra})}
-
-        if body.stream:
-            first = chunk({"role": "assistant", "content": ""})
-            return sse(stream_events(server, sreq, body, first, lambda text: chunk({"content": text}),
-                                     lambda ev: chunk({}, ev.finish_reason, timings=chat_timings(ev)),
-                                     "chat.completion.chunk", name, created, shutdown := anyio.Event()),
-                       shutdown)
-        text, event = await collect(server, request, sreq)
-        server.log_request(sreq, event, "ok")
-        return {"id": sreq.request_id, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": event.finish_reason, "logprobs": None}],
-                "usage": usage(event), "timings": chat_timings(event)}
+        return await respond(server, request, body, sreq, name, chat=True,
+                             extra_timings={"dropped_messages": dropped})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -283,26 +262,51 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         prompt_ids = server.completion_prompt(body)
         params = server.sampling_params(body, prompt_ids)
         sreq = server.submit(prompt_ids, params, "cmpl")
-        created = int(time.time())
-
-        def chunk(text: str, finish: str | None = None, **extra) -> dict:
-            return {"data": json.dumps({
-                "id": sreq.request_id, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-                **extra})}
-
-        if body.stream:
-            return sse(stream_events(server, sreq, body, None, chunk,
-                                     lambda ev: chunk("", ev.finish_reason, timings=timings_ms(ev.timings)),
-                                     "text_completion", name, created, shutdown := anyio.Event()),
-                       shutdown)
-        text, event = await collect(server, request, sreq)
-        server.log_request(sreq, event, "ok")
-        return {"id": sreq.request_id, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": text, "finish_reason": event.finish_reason, "logprobs": None}],
-                "usage": usage(event), "timings": timings_ms(event.timings)}
+        return await respond(server, request, body, sreq, name, chat=False, extra_timings={})
 
     return app
+
+
+def choice(text: str | None, finish: str | None, *, chat: bool, stream: bool) -> dict:
+    """The one choice of either endpoint: chat carries its text in `message` (or a stream's
+    `delta`), completions in `text`. text None: a stream's final chunk, which has none."""
+    if not chat:
+        content = {"text": text or ""}
+    elif stream:
+        content = {"delta": {} if text is None else {"content": text}}
+    else:
+        content = {"message": {"role": "assistant", "content": text}}
+    return {"index": 0, **content, "finish_reason": finish, "logprobs": None}
+
+
+async def respond(server: Server, http_request: Request, body, sreq: ServerRequest, model: str, *,
+                  chat: bool, extra_timings: dict):
+    """The response to a submitted request of either endpoint: an SSE stream or one JSON body."""
+    created = int(time.time())
+    object_name = "chat.completion" if chat else "text_completion"
+    chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def timings(event: Event) -> dict:
+        return {**timings_ms(event.timings), **extra_timings}
+
+    def chunk(one_choice: dict, **extra) -> dict:
+        return {"data": json.dumps({"id": sreq.request_id, "object": chunk_object, "created": created,
+                                    "model": model, "choices": [one_choice], **extra})}
+
+    if body.stream:
+        first = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                       "logprobs": None}) if chat else None
+        events = stream_events(server, sreq, body, first,
+                               lambda text: chunk(choice(text, None, chat=chat, stream=True)),
+                               lambda ev: chunk(choice(None, ev.finish_reason, chat=chat, stream=True),
+                                                timings=timings(ev)),
+                               chunk_object, model, created, shutdown := anyio.Event())
+        return sse(events, shutdown)
+    text, event = await collect(server, http_request, sreq)
+    server.log_request(sreq, event, "ok")
+    return {"id": sreq.request_id, "object": object_name, "created": created, "model": model,
+            "choices": [choice(text, event.finish_reason, chat=chat, stream=False)],
+            "usage": usage(event), "timings": timings(event)}
 
 
 async def stream_events(server: Server, sreq: ServerRequest, body, first: dict | None, text_chunk,
