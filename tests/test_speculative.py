@@ -288,10 +288,10 @@ def test_controller_speculates_when_it_pays_and_stops_when_not():
     plans = [c.plan(["a"], [10], num_decodes=1, base_tokens=1)[0] for _ in range(8)]
     assert plans == [0] * 8 and c.requests["a"].off_steps == 0
     assert c.plan(["a"], [10], num_decodes=1, base_tokens=1) == [2]     # retried after the cool-down
-    # one rejection of 4 drafts, with the prior: acceptance (0.9*1 + 0)/(0.9*2 + 1) = 0.32;
-    # k=1 gives 1.32 tokens for 1.4/1.2 of the cost (1.13), k=2 1.43 for 1.6/1.2 (1.07)
+    # one rejection of 4 drafts, with the prior: acceptance (0.9*0.5 + 0)/(0.9*1 + 1) = 0.237;
+    # k=1 gives 1.237 tokens for 1.4/1.2 of the cost (1.06), k=2 1.293 for 1.6/1.2 (0.97)
     c.observe_acceptance("a", 4, 0)
-    assert c.requests["a"].acceptance == pytest.approx(0.9 / 2.8)
+    assert c.requests["a"].acceptance == pytest.approx(0.45 / 1.9)
     assert c.plan(["a"], [10], num_decodes=1, base_tokens=1) == [1]
     assert cheap.plan(["b"], [2], num_decodes=1, base_tokens=1) == [2]   # capped by max_tokens/context
 
@@ -308,11 +308,11 @@ def test_a_new_request_drafts_where_a_verify_step_is_costly():
     for _ in range(3):
         c.observe_acceptance("copy", 1, 1)                       # the draft accepted
         c.observe_acceptance("story", 1, 0)                      # rejected
-    # copy: (0.729 + 2.71) / (1.458 + 2.71) = 0.825; k=2 gives 2.505 tokens for 1.95x the cost
-    # (1.28), against 1.24 for k=1, 1.27 for k=3 and 1.22 for k=4
-    assert c.requests["copy"].acceptance == pytest.approx(3.439 / 4.168, abs=1e-3)
-    assert c.plan(["copy"], [10], num_decodes=1, base_tokens=1) == [2]
-    # story: 0.729 / 4.168 = 0.175; k=1 gives 1.175 tokens for 1.475x the cost: off
+    # copy: (0.3645 + 2.71) / (0.729 + 2.71) = 0.894; k=3 gives 3.408 tokens for 2.425x the
+    # cost (1.405), against 1.284 for k=1, 1.381 for k=2 and 1.396 for k=4
+    assert c.requests["copy"].acceptance == pytest.approx(3.0745 / 3.439, abs=1e-3)
+    assert c.plan(["copy"], [10], num_decodes=1, base_tokens=1) == [3]
+    # story: 0.3645 / 3.439 = 0.106; k=1 gives 1.106 tokens for 1.475x the cost: off
     assert c.plan(["story"], [10], num_decodes=1, base_tokens=1) == [0]
     assert c.requests["story"].off_steps == 8
     for _ in range(4):

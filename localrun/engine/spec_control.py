@@ -10,7 +10,7 @@ the batch: on a memory-bound CPU decode a few more rows are almost free, while a
 compute-bound and every drafted row costs about as much as a real token.
 
 A request's acceptance is only known once it has drafted, so a request with no verify step
-yet (new, or back from a cool-down) starts from a neutral prior (1 accepted in 2). Where
+yet (new, or back from a cool-down) starts from a neutral prior (half of one draft accepted). Where
 that prior already pays (a GPU, where extra rows are almost free) it drafts the prior's best
 k. Where it does not, it probes: it drafts the fewest tokens whose best case (all accepted)
 pays, usually 1, and that verify step's evidence decides from then on; k grows as the
@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0   # a neutral start: acceptance 0.5, weight of two drafts
+PRIOR_ACCEPTED, PRIOR_TRIALS = 0.5, 1.0   # a neutral start: acceptance 0.5, weight of one draft
 DECAY = 0.9                               # per verify step: recent behaviour counts most
 COOLDOWN_MIN, COOLDOWN_MAX = 8, 64        # steps a request that did not pay stops drafting
 WINDOW = 9                                # step times kept per token count (median: robust to noise)
