@@ -41,10 +41,26 @@ def run_config(model_path, requests, args, flags: list[str]) -> dict:
               "--no-disk-cache"]   # every row starts cold: nothing from earlier runs
     with localrun_server(str(model_path), *common, *flags) as url:
         row = measure(url, requests, None, ignore_eos=True)
+        row["preemptions"] = scrape(url, "localrun_num_preemptions_total")   # warm-up included
     row["flags"] = " ".join(flags)
     print(f"  [{row['flags']}] TTFT p50 {row['ttft_p50_s']:.2f}s p99 {row['ttft_p99_s']:.2f}s "
-          f"ITL p99 {row['itl_p99_s']:.2f}s {row['output_tok_s']:.1f} tok/s", file=sys.stderr)
+          f"ITL p99 {row['itl_p99_s']:.2f}s {row['output_tok_s']:.1f} tok/s, "
+          f"{row['preemptions']:.0f} preemptions", file=sys.stderr)
     return row
+
+
+def scrape(url: str, sample_name: str) -> float:
+    """One sample's value from the server's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    base = url.removesuffix("/v1")
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == sample_name:
+                return sample.value
+    raise ValueError(f"{sample_name} not in {base}/metrics")
 
 
 def main() -> None:
@@ -100,16 +116,17 @@ def main() -> None:
 
     base = steps[0]["ttft_p50_s"]
     print("\n| step | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | ITL p99 (ms) | throughput (tok/s) | "
-          "cumulative TTFT p50 reduction |")
-    print("|---|---|---|---|---|---|---|")
+          "cumulative TTFT p50 reduction | preemptions |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(steps):
         r["cumulative_ttft_reduction"] = 1 - r["ttft_p50_s"] / base
         print(f"| ({i}) {r['step']} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['tpot_p50_s'] * 1000:.0f} | "
-              f"{r['itl_p99_s'] * 1000:.0f} | {r['output_tok_s']:.1f} | {r['cumulative_ttft_reduction']:.3f} |")
+              f"{r['itl_p99_s'] * 1000:.0f} | {r['output_tok_s']:.1f} | {r['cumulative_ttft_reduction']:.3f} | "
+              f"{r['preemptions']:.0f} |")
     if peer:
         print(f"| peer: llama-cpp-python server | {peer['ttft_p50_s']:.2f} | {peer['ttft_p99_s']:.2f} | "
               f"{peer['tpot_p50_s'] * 1000:.0f} | {peer['itl_p99_s'] * 1000:.0f} | {peer['output_tok_s']:.1f} | "
-              f"{1 - peer['ttft_p50_s'] / base:.3f} |")
+              f"{1 - peer['ttft_p50_s'] / base:.3f} | n/a |")
     if args.plot:
         plot(steps, peer, args.plot)
     print(json.dumps({"cumulative_ttft_reduction": steps[-1]["cumulative_ttft_reduction"], "steps": steps,
