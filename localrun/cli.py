@@ -59,6 +59,7 @@ def _load(model, ctx, threads, kv_type=None, parallel=1, **options):
     threads, options, tuned = apply_profile(model, threads, options)
     with err.status("loading model..."):
         llm = LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel, **options)
+        llm.engine      # built now (KV pool, disk index, speculation costs), not in the first TTFT
     err.print(f"[dim]{llm.plan_summary}{' · tuned profile' if tuned else ''}[/dim]")
     return llm
 

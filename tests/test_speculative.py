@@ -379,3 +379,11 @@ def test_api_and_cli(tiny_gguf):
     assert r.timings["draft_tokens"] > 0 and "spec_draft_tokens" in llm.engine.stats()
     result = CliRunner().invoke(app, ["generate", str(tiny_gguf("F32")), "-p", "x", "--spec", "lookup"])
     assert result.exit_code != 0 and "ngram" in str(result.exception or result.output)
+
+
+def test_the_cli_builds_the_engine_while_loading(tiny_gguf):
+    """The engine (and the speculator's cost measurements, ~3 s for SmolLM2 here) is built
+    with the model, not inside the first request, whose TTFT would otherwise include it."""
+    from localrun.cli import _load
+    llm = _load(str(tiny_gguf("F32")), ctx=256, threads=1, speculative="ngram")
+    assert llm._engine is not None and llm._engine.speculator is not None
