@@ -60,7 +60,8 @@ class LLM:
                  n_threads: int | None = None, dtype: torch.dtype | str | None = None,
                  n_parallel: int = 4, kv_type: str | None = None, enable_prefix_caching: bool = True,
                  disk_cache: bool = False, cache_dir: str | os.PathLike | None = None,
-                 cache_disk: int | str | None = None, context_shift: bool = False, n_keep: int = 0,
+                 cache_disk: int | str | None = None, cache_ram: int | str | None = None,
+                 context_shift: bool = False, n_keep: int = 0,
                  speculative: str | None = None, num_speculative_tokens: int = 4,
                  speculative_adaptive: bool = True, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, kv_budget_bytes: int | None = None,
@@ -74,6 +75,9 @@ class LLM:
         disk_cache=True keeps full prefix blocks in cache_dir (default $LOCALRUN_HOME/kv-cache),
         bounded by cache_disk bytes ("20GiB"; default 20 GiB or half the free space), so a new
         process reuses them. Off by default for the library (the CLI turns it on).
+        cache_ram: bytes ("4GiB") of host RAM for prefix blocks the KV pool evicts, copied back
+        on a later hit; default min(4 GiB, 25% of available RAM) when the KV is on a GPU, and
+        0 (off) on a CPU-only machine, where the pool is already host memory.
         context_shift=True lets a raw prompt too long for n_ctx (with max_tokens, capped at half
         the context) lose its oldest tokens after the first n_keep, instead of raising.
         n_gpu_layers: 'auto' (layerplan chooses; all-CPU without a GPU) or llama.cpp's -ngl count.
@@ -105,6 +109,7 @@ class LLM:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kv_budget_bytes = kv_budget_bytes    # None: the engine's default share of free memory
         self.disk_cache_config = self._disk_cache_config(disk_cache, cache_dir, cache_disk)
+        self.cache_ram = self._size(cache_ram, "cache_ram", allow_zero=True)
         self.last_dropped_messages = 0      # by the last chat() to fit the context
         self.context_shift, self.n_keep = context_shift, n_keep
         self._engine: LLMEngine | None = None
@@ -116,20 +121,25 @@ class LLM:
             target_tokenizer=lambda: self.tokenizer, dtype=self.dtype, n_ctx=self.n_ctx, quantized=self.quantized,
             num_speculative_tokens=num_speculative_tokens, adaptive=speculative_adaptive)
 
+    @staticmethod
+    def _size(value: int | str | None, name: str, allow_zero: bool = False) -> int | None:
+        """A byte count given as an int or a string such as "4GiB"; None stays None."""
+        if isinstance(value, str):
+            from layerplan.units import parse_bytes
+            try:
+                value = parse_bytes(value)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+            raise UserError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} size, got {value!r}.")
+        return value
+
     def _disk_cache_config(self, enabled, cache_dir, cache_disk):
         from localrun.engine.disk_cache import DiskCacheConfig, model_fingerprint
         from localrun.models import localrun_home
         if not enabled:
             return None
-        max_bytes = cache_disk
-        if isinstance(cache_disk, str):
-            from layerplan.units import parse_bytes
-            try:
-                max_bytes = parse_bytes(cache_disk)
-            except ValueError as e:
-                raise UserError(str(e)) from None
-        if max_bytes is not None and max_bytes <= 0:
-            raise UserError(f"cache_disk must be a positive size, got {cache_disk!r}")
+        max_bytes = self._size(cache_disk, "cache_disk")
         root = Path(cache_dir).expanduser() if cache_dir is not None else localrun_home() / "kv-cache"
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -252,7 +262,7 @@ class LLM:
                                      enable_chunked_prefill=self.enable_chunked_prefill,
                                      kv_budget_bytes=self.kv_budget_bytes,
                                      enable_prefix_caching=self.enable_prefix_caching,
-                                     disk_cache=self.disk_cache_config,
+                                     disk_cache=self.disk_cache_config, ram_cache_bytes=self.cache_ram,
                                      speculative=self.speculative, draft_model=self.draft_model)
         return self._engine
 

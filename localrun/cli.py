@@ -38,6 +38,8 @@ CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk KV cache directory (d
 NoDiskCacheOpt = typer.Option(False, "--no-disk-cache", help="Do not keep prefix blocks on disk across restarts.")
 CacheDiskOpt = typer.Option(None, "--cache-disk", help="Size bound of the disk KV cache, e.g. 20GiB "
                             "(default: 20GiB or half the free space).")
+CacheRamOpt = typer.Option(None, "--cache-ram", help="Host RAM for prefix blocks the GPU's KV pool evicts, e.g. "
+                           "4GiB (default: min(4GiB, 25% of free RAM) with a GPU; 0, off, on a CPU-only machine).")
 DraftModelOpt = typer.Option(None, "--draft-model", help="Speculative decoding with this draft model: a .gguf "
                              "path, a catalog name (same vocabulary), or self:N (the model's first N layers).")
 SpecOpt = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram (prompt lookup).")
@@ -65,7 +67,8 @@ def _load(model, ctx, threads, kv_type=None, parallel=1, **options):
 
 
 def _stats_line(t: dict) -> str:
-    disk = f" ({t['cached_tokens_disk']} from disk)" if t.get("cached_tokens_disk") else ""
+    tiers = [f"{t[f'cached_tokens_{tier}']} from {tier}" for tier in ("ram", "disk") if t.get(f"cached_tokens_{tier}")]
+    disk = f" ({', '.join(tiers)})" if tiers else ""
     cached = f", {t['cached_tokens']} cached{disk}" if t["cached_tokens"] else ""
     drafts = (f" · drafts {t['accepted_tokens']}/{t['draft_tokens']} accepted"
               if t.get("draft_tokens") else "")
@@ -82,12 +85,13 @@ def chat(model: Optional[str] = ModelArg,
          ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
          kv_type: Optional[str] = KvTypeOpt, cache_dir: Optional[str] = CacheDirOpt,
          no_disk_cache: bool = NoDiskCacheOpt, cache_disk: Optional[str] = CacheDiskOpt,
+         cache_ram: Optional[str] = CacheRamOpt,
          draft_model: Optional[str] = DraftModelOpt, spec: Optional[str] = SpecOpt,
          draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt):
     """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply.
     A full context drops the oldest turns (never the system prompt), with a notice."""
     llm = _load(model, ctx, threads, kv_type, parallel=1, disk_cache=not no_disk_cache,
-                cache_dir=cache_dir, cache_disk=cache_disk, num_speculative_tokens=draft_max,
+                cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram, num_speculative_tokens=draft_max,
                 n_gpu_layers=gpu_layers,
                 **_speculative(draft_model, spec))
     base = [{"role": "system", "content": system}] if system else []

@@ -76,6 +76,9 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
                                              help="Do not keep prefix blocks on disk across restarts."),
           cache_disk: Optional[str] = typer.Option(None, "--cache-disk", help="Size bound of the disk KV cache, "
                                                    "e.g. 20GiB (default: 20GiB or half the free space)."),
+          cache_ram: Optional[str] = typer.Option(None, "--cache-ram", help="Host RAM for prefix blocks the GPU's "
+                                                  "KV pool evicts, e.g. 4GiB (default: min(4GiB, 25% of free RAM) "
+                                                  "with a GPU; 0, off, on a CPU-only machine)."),
           gpu_layers: str = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU "
                                          "without a GPU) or the number of layers on the GPU."),
           draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Speculative decoding with this "
@@ -110,7 +113,7 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
         llm = LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel,
                   enable_prefix_caching=not no_prefix_cache, max_num_batched_tokens=max_batched_tokens,
                   enable_chunked_prefill=not no_chunked_prefill, kv_budget_bytes=_bytes(kv_budget, "--kv-budget"),
-                  disk_cache=not no_disk_cache, cache_dir=cache_dir, cache_disk=cache_disk,
+                  disk_cache=not no_disk_cache, cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram,
                   n_gpu_layers=gpu_layers, num_speculative_tokens=draft_max, **_speculative(draft_model, spec))
         llm.engine    # build the KV pool now, not on the first request
     from localrun.models import DEFAULT_MODEL

@@ -21,6 +21,7 @@ from localrun.engine.block_manager import BlockManager, kv_bytes_per_token
 from localrun.engine.disk_cache import DiskCacheConfig, DiskKVCache, compute_signature, namespace
 from localrun.engine.model_runner import ModelRunner
 from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_type, kv_bytes_per_element
+from localrun.engine.ram_cache import HostKVCache, default_ram_bytes
 from localrun.engine.scheduler import Scheduler, SchedulerConfig
 from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.engine.speculative import SpeculativeConfig, make_speculator
@@ -65,6 +66,7 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  policy: str = "fcfs", check_stop: Callable[[Sequence], str | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, disk_cache: DiskCacheConfig | None = None,
+                 ram_cache_bytes: int | None = None,
                  speculative: SpeculativeConfig | None = None, draft_model: Transformer | None = None):
         config = model.config
         kv_type = check_kv_type(kv_type or default_kv_type(model.dtype))
@@ -88,6 +90,11 @@ class LLMEngine:
                                      compute_dtype=model.dtype, devices=devices)
         self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching,
                                           hash_seed=f"{config.name}|{kv_type}".encode())
+        self.ram_cache: HostKVCache | None = None      # the prefix cache's host-RAM tier, if on
+        ram_bytes = default_ram_bytes(devices) if ram_cache_bytes is None else ram_cache_bytes
+        if ram_bytes > 0 and enable_prefix_caching:     # checked before the disk: faster to load
+            self.ram_cache = HostKVCache(self.kv_cache, ram_bytes)
+            self.block_manager.lower_tiers.append(self.ram_cache)
         self.disk_cache: DiskKVCache | None = None     # the prefix cache's disk tier, if enabled
         if disk_cache is not None and enable_prefix_caching:
             ns = namespace(disk_cache.model_fingerprint, compute_signature(model), kv_type, block_size,
@@ -238,6 +245,12 @@ class LLMEngine:
             "prefix_cache_hit_tokens": cache.num_hit_tokens,
             "prefix_cache_hit_rate": cache.hit_rate,
             "prefix_cache_evictions": cache.num_evictions,
+            "ram_cache_enabled": int(self.ram_cache is not None),
+            "ram_cache_hit_tokens": cache.num_tier_hit_tokens.get("ram", 0),
+            **({"ram_cache_bytes": self.ram_cache.num_bytes, "ram_cache_max_bytes": self.ram_cache.max_bytes,
+                "ram_cache_blocks": self.ram_cache.num_blocks,
+                "ram_cache_evicted_blocks": self.ram_cache.stats.num_evicted_blocks}
+               if self.ram_cache is not None else {}),
             "disk_cache_enabled": int(self.disk_cache is not None),
             "disk_cache_hit_tokens": cache.num_tier_hit_tokens.get("disk", 0),
             "disk_cache_loaded_blocks": cache.num_tier_loaded_blocks.get("disk", 0),

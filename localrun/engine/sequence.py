@@ -120,6 +120,7 @@ class Sequence:
             "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": t.num_cached_tokens,
             "cached_tokens_device": t.num_cached_tokens - sum(t.cached_tokens_by_tier.values()),
+            "cached_tokens_ram": t.cached_tokens_by_tier.get("ram", 0),
             "cached_tokens_disk": t.cached_tokens_by_tier.get("disk", 0),
             "computed_prompt_tokens": self.num_prompt_tokens - t.num_cached_tokens,
             "generated_tokens": self.num_generated_tokens,
