@@ -266,7 +266,8 @@ def test_timeline_and_timings_with_a_fake_clock():
     assert (timeline.prefill_done, timeline.first_token) == (7.0, 7.0)
     assert seq.timings() == {"queue_s": 2.0, "prefill_s": 4.0, "ttft_s": 6.0, "decode_tok_s": 2 / 6.0,
                              "prompt_tokens": 21, "cached_tokens": 4, "generated_tokens": 3,
-                             "cached_tokens_device": 4, "cached_tokens_disk": 0, "computed_prompt_tokens": 17,
+                             "cached_tokens_device": 4, "cached_tokens_ram": 0, "cached_tokens_disk": 0,
+                             "computed_prompt_tokens": 17,
                              "preemptions": 0, "draft_tokens": 0, "accepted_tokens": 0,
                              "acceptance_rate": None}
 
