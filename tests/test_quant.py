@@ -165,3 +165,57 @@ def test_real_model_resident_memory(model_path):
     print(f"\nRSS growth {m['growth'] / 1e6:.1f} MB for a {m['file'] / 1e6:.1f} MB file "
           f"({m['growth'] / m['file']:.2f}x)")
     assert m["growth"] <= 1.6 * m["file"], m
+
+
+def test_decode_rows_round_the_same_in_any_batch(tiny_gguf):
+    """On int4 weights with batch-invariant decode (on whenever the engine speculates), a
+    sequence's decode steps do not depend on how many others decode beside it: with 40
+    sequences decoding together (40 rows), each one's logits equal, bit for bit, its logits
+    alone, and so do its greedy tokens; with prompt-lookup drafts (up to 200 rows) too. Without
+    it, 32 or more decode rows take the dequantized float32 path and one row alone the kernel."""
+    import random
+
+    from localrun.api import LLM
+    from localrun.engine.llm_engine import LLMEngine
+    from localrun.engine.speculative import SpeculativeConfig
+    from localrun.model.quant import Int4Weight
+    from localrun.sampling import SamplingParams
+    llm = LLM(tiny_gguf("Q4_0"), quantized=True, n_threads=1)
+    weight = llm.model.layers[0].feed_forward.w13
+    assert isinstance(weight, Int4Weight) and weight.can_dequantize
+    rng = random.Random(0)
+    motifs = [[rng.randrange(3, 320) for _ in range(5)] for _ in range(40)]
+    prompts = [(m * 8)[:40] for m in motifs]          # repetitive: prompt lookup finds drafts
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(batch: list[list[int]], **options):
+        engine = LLMEngine(llm.model, max_model_len=256, max_num_seqs=len(batch),
+                           max_num_batched_tokens=4096, **options)
+        engine.runner.batch_invariant_decode = True
+        seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch)]
+        logits: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
+        forward = engine.runner.forward
+
+        def recording_forward(b):
+            out = forward(b)
+            row = 0
+            for entry in (e for e in b.entries if e.samples_token):
+                if not entry.is_prefill and not entry.num_draft_tokens:
+                    logits[entry.seq.request_id].append(out[row].clone())
+                row += entry.num_sample_rows
+            return out
+
+        engine.runner.forward = recording_forward
+        while engine.has_unfinished():
+            engine.step()
+        return [s.generated_token_ids for s in seqs], [logits[s.request_id] for s in seqs]
+
+    alone = [run([p]) for p in prompts]
+    together_tokens, together_logits = run(prompts)
+    assert together_tokens == [tokens[0] for tokens, _ in alone]
+    for (_, [mine]), theirs in zip(alone, together_logits):
+        assert len(mine) == len(theirs) == 11 and all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    engine = LLMEngine(llm.model, max_model_len=256, speculative=SpeculativeConfig("ngram", 4, adaptive=False))
+    assert engine.runner.batch_invariant_decode and not LLMEngine(llm.model, max_model_len=256).runner.batch_invariant_decode
+    drafted, _ = run(prompts, speculative=SpeculativeConfig("ngram", 4, adaptive=False))
+    assert drafted == together_tokens

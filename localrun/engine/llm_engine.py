@@ -107,7 +107,7 @@ class LLMEngine:
                                            max_model_len=self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids),
                                    check_stop, clock)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, batch_invariant_decode=speculative is not None)
         self.speculator = None if speculative is None else make_speculator(
             speculative, model, max_model_len=self.max_model_len, draft_model=draft_model)
         self.model = model

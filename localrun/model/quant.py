@@ -19,6 +19,8 @@ x's dtype. Both the CPU and the CUDA variants are feature-detected (`int4_backen
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -180,6 +182,27 @@ class PlainWeight:
         return self.weight.numel() * self.weight.element_size()
 
 
+_decode_rows = threading.local()       # .n: leading rows of the current forward that are decode rows
+
+
+@contextlib.contextmanager
+def decode_rows(n: int):
+    """Within this block, the first n rows of every int4 matmul are decode (or draft-verify) rows:
+    they always go through torch's kernel, which computes each row independently of the others
+    (bit for bit, checked up to 64 rows), so a sequence's decode step rounds the same in any
+    batch. Only the prompt rows after them switch to dequantize-plus-float32 when there are
+    DEQUANT_MIN_ROWS or more. Without this, 8 sequences verifying 4 drafts each (40 rows) took
+    the float32 path while the same 8 decoding plainly (8 rows) took the kernel, and greedy
+    speculative output could differ from plain decoding in a busy batch. The model runner uses
+    it when the engine speculates (ModelRunner.batch_invariant_decode)."""
+    previous = getattr(_decode_rows, "n", 0)
+    _decode_rows.n = n
+    try:
+        yield
+    finally:
+        _decode_rows.n = previous
+
+
 class Int4Weight:
     """int4 codes packed for torch's kernel, with scales and zeros (K/32, N, 2) in bfloat16.
 
@@ -224,9 +247,15 @@ class Int4Weight:
         return cls(packed, scales_zeros.contiguous().to(device), (n, k), rest)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, K) -> (T, N) in x's dtype."""
-        if x.shape[0] >= self.DEQUANT_MIN_ROWS and self.can_dequantize:
-            return F.linear(x, self.dequantize().to(x.dtype))
+        """x (T, K) -> (T, N) in x's dtype. Decode rows (see `decode_rows`) always go through the
+        kernel; prompt rows are dequantized when there are DEQUANT_MIN_ROWS or more."""
+        d = min(getattr(_decode_rows, "n", 0), x.shape[0])
+        if x.shape[0] - d >= self.DEQUANT_MIN_ROWS and self.can_dequantize:
+            prompt = F.linear(x[d:], self.dequantize().to(x.dtype))
+            return prompt if d == 0 else torch.cat([self._kernel(x[:d]), prompt])
+        return self._kernel(x)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         hi = x.to(KERNEL_DTYPE)                              # (2n, K): x_hi rows, then x_lo rows
         split = torch.cat([hi, (x.float() - hi.float()).to(KERNEL_DTYPE)])
