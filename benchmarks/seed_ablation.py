@@ -24,13 +24,12 @@ peer's figures.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_vs_llamacpp import measure, workload  # noqa: E402
+from serve_vs_llamacpp import measure, workload, workload_parser  # noqa: E402
 
 from localrun.bench.servers import llama_cpp_server, localrun_server  # noqa: E402
 from localrun.models import resolve_model  # noqa: E402
@@ -64,13 +63,7 @@ def scrape(url: str, sample_name: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--prefix-tokens", type=int, default=1024)
-    ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=1280)
+    ap = workload_parser(__doc__.split("\n\n")[0], ctx=1280)
     ap.add_argument("--kv-budget", default="64MiB")
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--plot", default=None, help="PNG chart path")

@@ -59,14 +59,20 @@ def measure(url: str, requests, extra_body: dict | None, ignore_eos: bool) -> di
             "ttft_breakdown_p50_s": (s.get("ttft_breakdown_s") or {}).get("p50")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_parser(description: str, ctx: int) -> argparse.ArgumentParser:
+    """The options every serving benchmark shares: model, the workload, threads and context."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--ctx", type=int, default=ctx)
+    return ap
+
+
+def main() -> None:
+    ap = workload_parser(__doc__.split("\n\n")[0], ctx=2048)
     ap.add_argument("--parallel", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--skip-peer", action="store_true")

@@ -16,8 +16,9 @@ Windows). On a 2-core machine, writing during the prefill that produced the bloc
 request's TTFT 1.39x slower; writing between requests costs requests nothing. A chat turn or
 a server's pause between requests is ample time (~2 ms per block). Under load that never
 pauses, the queue fills and further blocks are not written (counted in `num_write_drops`);
-`flush` (at close) writes what is queued whether or not the engine is busy. A torn, truncated or bit-flipped file fails the
-checksum or the parse, is reported once as a warning, deleted, and never loaded.
+`flush` (at close) writes what is queued whether or not the engine is busy. A torn,
+truncated or bit-flipped file fails the checksum or the parse, is reported once as a
+warning, deleted, and never loaded.
 
 The store is bounded (`max_bytes`) with LRU eviction over the whole root (all models): file
 mtimes order it, so the order survives restarts (a hit touches its file). The in-memory

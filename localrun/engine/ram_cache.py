@@ -50,7 +50,7 @@ class HostKVCache:
         self.max_bytes = max_bytes
         self.blocks: OrderedDict[bytes, tuple[tuple[int, ...], dict[str, torch.Tensor]]] = OrderedDict()
         self.num_bytes = 0
-        self.block_bytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = sum(torch.Size(shape).numel() * dtype.itemsize
                                for shape, dtype in kv_cache.block_layout().values())
         self.stats = RamCacheStats()
 

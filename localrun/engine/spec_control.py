@@ -10,14 +10,15 @@ the batch: on a memory-bound CPU decode a few more rows are almost free, while a
 compute-bound and every drafted row costs about as much as a real token.
 
 A request's acceptance is only known once it has drafted, so a request with no verify step
-yet (new, or back from a cool-down) starts from a neutral prior (half of one draft accepted). Where
-that prior already pays (a GPU, where extra rows are almost free) it drafts the prior's best
-k. Where it does not, it probes: it drafts the fewest tokens whose best case (all accepted)
-pays, usually 1, and that verify step's evidence decides from then on; k grows as the
-acceptance does. Planning from the prior alone would never draft wherever a verify step
-costs more than 1.9x a plain one: no evidence could ever overturn it. That is the case on a 2-core AVX2 CPU, where
-torch's int4 kernel costs about 0.48x a plain step per extra row (5 rows: 2.9x one), so a
-failed probe of 4 drafts would cost ~1.9 plain steps and one of 1 draft ~0.4.
+yet (new, or back from a cool-down) starts from a neutral prior (half of one draft
+accepted). Where that prior already pays (a GPU, where extra rows are almost free) it drafts
+the prior's best k. Where it does not, it probes: it drafts the fewest tokens whose best case
+(all accepted) pays, usually 1, and that verify step's evidence decides from then on; k
+grows as the acceptance does. Planning from the prior alone would never draft wherever a
+verify step costs more than 1.9x a plain one: no evidence could ever overturn it. That is
+the case on a 2-core AVX2 CPU, where torch's int4 kernel costs about 0.48x a plain step per
+extra row (5 rows: 2.9x one), so a failed probe of 4 drafts would cost ~1.9 plain steps and
+one of 1 draft ~0.4.
 
 Two switches follow from it:
   - per request: if even the best k gives an expected speedup below 1 alone, the request stops

@@ -92,22 +92,22 @@ class Attention(nn.Module):
         k_all, v_all = seg.cache.update(self.layer, seg.cache_start, k, v)   # (n_kv, L, hd)
         t, L = q.shape[0], k_all.shape[1]
         if seg.rowwise and t > 1:     # row i: one query over keys 0..L-t+i, as a decode step
-            return torch.cat([self._attend_one(q[i:i + 1], k_all[:, :L - t + i + 1], v_all[:, :L - t + i + 1])
+            return torch.cat([sdpa(q[i:i + 1], k_all[:, :L - t + i + 1], v_all[:, :L - t + i + 1])
                               for i in range(t)])
         mask, causal = None, False
         if t > 1 and L == t:
             causal = True
         elif t > 1:   # new tokens are the last t of L: query i sees keys 0..L-t+i
             mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None],
-                                             attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return out[0].transpose(0, 1)                                # (t, H, hd)
+        return sdpa(q, k_all, v_all, mask, causal)
 
-    @staticmethod
-    def _attend_one(q, k_all, v_all) -> torch.Tensor:
-        """One query row (1, H, hd) over all of k_all/v_all (n_kv, L, hd), as _attend does it."""
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None], enable_gqa=True)
-        return out[0].transpose(0, 1)
+
+def sdpa(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.Tensor | None = None,
+         causal: bool = False) -> torch.Tensor:
+    """Queries (t, H, hd) over keys and values (n_kv, L, hd) -> (t, H, hd), grouped-query."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None],
+                                         attn_mask=mask, is_causal=causal, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 class FeedForward(nn.Module):
