@@ -1,0 +1,75 @@
+"""The host CPU in one dict: model name, the instruction-set flags our kernels care about, and
+the kernel level torch picked. Benchmarks print it in their JSON line; tests and kernels read
+the flags from here. Imports no torch unless asked for torch's capability.
+
+    >>> cpu_info()["flags"]["avx512_vnni"]
+    True
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+# The flags that decide which kernels run, named as /proc/cpuinfo names them.
+FLAGS_THAT_MATTER = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
+                     "amx_tile", "amx_int8", "amx_bf16")
+
+
+@lru_cache(maxsize=1)
+def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, all flags) of the first processor in /proc/cpuinfo; ("", {}) off Linux."""
+    model, flags = "", frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+        if model and flags:
+            break
+    return model, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    """Every flag the kernel reports for this CPU (empty where /proc/cpuinfo is absent)."""
+    return _proc_cpuinfo()[1]
+
+
+def has_flag(name: str) -> bool:
+    return name in cpu_flags()
+
+
+def torch_capability() -> str | None:
+    """torch's CPU kernel level ("AVX512", "AVX2", "DEFAULT", ...), which honours
+    ATEN_CPU_CAPABILITY; None when torch is not installed."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_info(with_torch: bool = True) -> dict:
+    """{"model", "machine", "flags": {flag: bool}, "torch_capability", "aten_cpu_capability",
+    "localrun_isa"}: the last two are the environment overrides in force (None when unset)."""
+    model, _ = _proc_cpuinfo()
+    return {
+        "model": model or platform.processor() or platform.machine(),
+        "machine": platform.machine(),
+        "flags": {flag: has_flag(flag) for flag in FLAGS_THAT_MATTER},
+        "torch_capability": torch_capability() if with_torch else None,
+        "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
+        "localrun_isa": os.environ.get("LOCALRUN_ISA"),
+    }
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(cpu_info()))
