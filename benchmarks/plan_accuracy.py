@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from localrun.cpu_info import cpu_info
+
 MODEL = "smollm2-135m"
 PROMPT = ("The history of the city begins with a small settlement on an island in the river, where "
           "fishermen and traders built their houses and a wall to keep them safe.")
@@ -139,6 +141,7 @@ def main() -> None:
     memory_ok = all(abs(r["memory_ratio"] - 1) <= 0.10 for r in rows)
     decode_ok = all(r["decode_ratio"] and abs(r["decode_ratio"] - 1) <= 0.30 for r in rows)
     print(json.dumps({
+        "cpu": cpu_info(),
         "model": MODEL, "dtype": rows[0]["measured"]["dtype"], "threads": rows[0]["measured"]["threads"],
         "calibration": {"dtype": calibration.dtype, "backend": calibration.backend,
                         "host_bandwidth_gb_s": round(calibration.host_bandwidth / 1e9, 2),

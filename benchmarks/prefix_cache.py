@@ -44,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import CODE, CODE_2, FOREIGN, NUMBERS, NUMBERS_2, PROSE, PROSE_2  # noqa: E402
+from localrun.cpu_info import cpu_info  # noqa: E402
 
 # the system prompt: real, varied text, repeated as needed and cut to exactly --prefix-tokens
 SYSTEM_TEXT = ("You are a careful assistant. Answer questions about the following reference "
@@ -320,7 +321,7 @@ def main():
     print(f"throughput {args.tput_seqs} / 1: {ratio_tp:.2f}x (target >= 4)")
 
     print(json.dumps({
-        "benchmark": "prefix_cache", "model": path.name, "threads": args.threads,
+        "cpu": cpu_info(), "benchmark": "prefix_cache", "model": path.name, "threads": args.threads,
         "dtype": str(llm.dtype).replace("torch.", ""), "kv_type": make_kv_name(llm),
         "cpu_capability": cap, "torch": torch.__version__,
         "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in load_end],

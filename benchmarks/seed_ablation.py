@@ -33,6 +33,7 @@ from serve_vs_llamacpp import measure, workload, workload_parser  # noqa: E402
 
 from localrun.bench.servers import llama_cpp_server, localrun_server  # noqa: E402
 from localrun.models import resolve_model  # noqa: E402
+from localrun.cpu_info import cpu_info  # noqa: E402
 
 
 def run_config(model_path, requests, args, flags: list[str]) -> dict:
@@ -122,7 +123,8 @@ def main() -> None:
               f"{1 - peer['ttft_p50_s'] / base:.3f} | n/a |")
     if args.plot:
         plot(steps, peer, args.plot)
-    print(json.dumps({"cumulative_ttft_reduction": steps[-1]["cumulative_ttft_reduction"], "steps": steps,
+    print(json.dumps({"cpu": cpu_info(),
+                      "cumulative_ttft_reduction": steps[-1]["cumulative_ttft_reduction"], "steps": steps,
                       "peer": peer, "scenario": {"requests": args.requests, "prefix_tokens": args.prefix_tokens,
                                                  "output_tokens": args.output_tokens, "threads": args.threads,
                                                  "ctx": args.ctx, "kv_budget": args.kv_budget,

@@ -32,6 +32,7 @@ from localrun.bench.stats import summarize  # noqa: E402
 from localrun.bench.workload import BenchRequest  # noqa: E402
 from localrun.models import resolve_model  # noqa: E402
 from localrun.tokenizer import Tokenizer  # noqa: E402
+from localrun.cpu_info import cpu_info  # noqa: E402
 
 
 def workload(model_path, n: int, prefix_tokens: int, output_tokens: int) -> list[BenchRequest]:
@@ -93,7 +94,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:<10} {r['ttft_p50_s']:>8.2f}s {r['ttft_p99_s']:>8.2f}s {r['itl_p99_s']:>7.2f}s "
               f"{r['output_tok_s']:>7.1f} {r['wall_s']:>5.1f}s {r['errors']}")
-    out = {"scenario": {"requests": args.requests, "prefix_tokens": args.prefix_tokens,
+    out = {"cpu": cpu_info(), "scenario": {"requests": args.requests, "prefix_tokens": args.prefix_tokens,
                         "output_tokens": args.output_tokens, "threads": args.threads,
                         "parallel": args.parallel, "max_batched_tokens": args.max_batched_tokens},
            **rows}

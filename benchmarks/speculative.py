@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import CODE, CODE_2  # noqa: E402
+from localrun.cpu_info import cpu_info  # noqa: E402
 
 COPY_TASK = ("Repeat the following code exactly, but rename the function fibonacci to fib. "
              "Output only the code.\n\n" + CODE + "\n" + CODE_2)
@@ -112,6 +113,7 @@ def main() -> None:
         return sum(results[(t, name)]["accepted"] for t in tasks) / drafted if drafted else 0.0
 
     summary = {
+        "cpu": cpu_info(),
         "ngram_speedup": round(speedup("copy", "ngram"), 3),
         "greedy_identical": identical,
         "adaptive_ratio": round(speedup("story", "ngram"), 3),

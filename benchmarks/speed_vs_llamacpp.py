@@ -13,6 +13,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import CORPUS  # noqa: E402
+from localrun.cpu_info import cpu_info  # noqa: E402
 
 
 def prompt_ids(llm, n: int) -> list[int]:
@@ -89,7 +90,7 @@ def main():
         print(f"| {k:<9} | {p:13.1f} | {d:12.1f} |")
     print(f"| ratio     | {ratio_prefill:12.2f}x | {ratio_decode:11.2f}x |")
     print(json.dumps({
-        "benchmark": "speed_vs_llamacpp", "model": path.name, "threads": args.threads,
+        "cpu": cpu_info(), "benchmark": "speed_vs_llamacpp", "model": path.name, "threads": args.threads,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
         "localrun_dtype": str(llm.dtype).replace("torch.", ""),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -26,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from corpus import CODE, CODE_2, FOREIGN, NUMBERS, NUMBERS_2, PROSE, PROSE_2  # noqa: E402
+from localrun.cpu_info import cpu_info  # noqa: E402
 
 TEXT = ("You are a careful assistant. Answer questions about the following reference material, "
         "quoting it where useful.\n\n" + PROSE + CODE + NUMBERS + PROSE_2 + CODE_2 + NUMBERS_2 + FOREIGN)
@@ -85,6 +86,7 @@ def main() -> None:
     outputs = {tuple(r["ids"]) for rs in runs.values() for r in rs}
     warm = min(runs["warm"], key=lambda r: r["ttft_s"])
     result = {
+        "cpu": cpu_info(),
         "prompt_tokens": args.prompt_tokens,
         "cold_ttft_s": round(best["cold"], 4),
         "cold_write_ttft_s": round(best["cold_write"], 4),
