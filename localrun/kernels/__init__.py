@@ -1,0 +1,54 @@
+"""localrun's compiled CPU kernels, as torch custom ops (`torch.ops.localrun.*`).
+
+- `qmatmul(x, weights, qtypes)`: x (M, K) float32 times GGUF-quantized weight rows used in place
+  (the file's bytes, memory-mapped): each activation row is quantized once to 8-bit blocks and
+  multiplied with integer dot products (AVX2 maddubs, AVX-512 VNNI vpdpbusd). Several weights
+  with the same K (q, k, v) form one fused output.
+- `dequantize(w, qtype, k)`: the float32 values of a weight (the prompt path's GEMM and tests).
+
+Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
+The library is compiled by set-up (`python -m localrun.kernels.build`); if it is missing it is
+compiled on first use. LOCALRUN_NO_KERNELS=1 turns the kernels off (torch's path runs, with a
+warning), LOCALRUN_ISA=avx512|avx2|ref forces an instruction set.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+
+import torch
+
+from localrun.kernels.build import BuildError, build
+
+# GGML type ids with a kernel (gguf's GGMLQuantizationType values)
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+@lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the compiled kernels are loaded (says why once on stderr when they are not)."""
+    if os.environ.get("LOCALRUN_NO_KERNELS") == "1":
+        print("localrun: LOCALRUN_NO_KERNELS=1: running without the compiled kernels (slower)", file=sys.stderr)
+        return False
+    try:
+        torch.ops.load_library(str(build(quiet=True)))
+        torch.ops.localrun.isa()                      # LOCALRUN_ISA is checked here
+    except (BuildError, OSError, RuntimeError) as e:
+        print(f"localrun: the compiled kernels are unavailable ({e}); running without them (slower)",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run ('avx512', 'avx2', 'ref'), or None without kernels."""
+    return torch.ops.localrun.isa() if available() else None
+
+
+def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], qtypes: list[int]) -> torch.Tensor:
+    return torch.ops.localrun.qmatmul(x, weights, qtypes)
+
+
+def dequantize(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return torch.ops.localrun.dequantize(w, qtype, k)

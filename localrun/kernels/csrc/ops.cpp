@@ -1,0 +1,160 @@
+// localrun's compiled ops, registered with torch.library (namespace `localrun`):
+//   qmatmul(x, weights, qtypes) -> y      x (M, K) float32; weights: GGUF rows (N_i, row bytes) uint8,
+//                                         used in place; y (M, sum N_i) float32 = x @ [W_0; W_1; ...].T
+//   dequantize(w, qtype, k) -> (N, K) float32
+//   isa() -> str                          the instruction set the kernels dispatch to
+// The instruction set is chosen once from the CPU's features, or forced with LOCALRUN_ISA=
+// avx512|avx2|ref. Work is split over weight rows with at::parallel_for (torch's thread pool).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cstdlib>
+#include <string>
+#include <vector>
+#include "ref.h"
+
+namespace localrun {
+namespace avx2 {
+bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
+bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+}
+namespace avx512 {
+bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
+bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+}
+
+namespace {
+
+enum class Isa { Ref, Avx2, Avx512 };
+
+Isa detect_isa() {
+    const char* forced = std::getenv("LOCALRUN_ISA");
+    __builtin_cpu_init();
+    const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    if (forced && *forced) {
+        std::string f(forced);
+        if (f == "ref") return Isa::Ref;
+        if (f == "avx2") { TORCH_CHECK(has_avx2, "LOCALRUN_ISA=avx2 but this CPU lacks AVX2/FMA/F16C"); return Isa::Avx2; }
+        if (f == "avx512") { TORCH_CHECK(has_avx512, "LOCALRUN_ISA=avx512 but this CPU lacks AVX-512 VNNI"); return Isa::Avx512; }
+        TORCH_CHECK(false, "LOCALRUN_ISA must be avx512, avx2 or ref, got ", f);
+    }
+    return has_avx512 ? Isa::Avx512 : has_avx2 ? Isa::Avx2 : Isa::Ref;
+}
+
+Isa isa() {
+    static const Isa chosen = detect_isa();
+    return chosen;
+}
+
+std::string isa_name() {
+    switch (isa()) { case Isa::Avx512: return "avx512"; case Isa::Avx2: return "avx2"; default: return "ref"; }
+}
+
+int64_t row_bytes_of(int qtype, int64_t K) {
+    int values, bytes;
+    block_shape(qtype, values, bytes);
+    TORCH_CHECK(values > 0, "localrun::qmatmul: GGML type ", qtype, " has no kernel");
+    TORCH_CHECK(K % values == 0, "localrun::qmatmul: K=", K, " is not a multiple of the type's block of ", values);
+    return K / values * bytes;
+}
+
+void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_t* s) {
+    auto body = [&](int64_t m0, int64_t m1) {
+        switch (isa()) {
+            case Isa::Avx512: avx512::quantize_rows(x, K, m0, m1, qs, d, s); break;
+            case Isa::Avx2: avx2::quantize_rows(x, K, m0, m1, qs, d, s); break;
+            default:
+                for (int64_t m = m0; m < m1; m++)
+                    quantize_row_ref(x + m * K, K, qs + m * K, d + m * (K / 32), s + m * (K / 16));
+        }
+    };
+    if (M * K < 65536) body(0, M); else at::parallel_for(0, M, 1, body);
+}
+
+void matmul_range(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
+                  float* y, int64_t ldy) {
+    switch (isa()) {
+        case Isa::Avx512: avx512::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy); return;
+        case Isa::Avx2: avx2::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy); return;
+        default:
+            for (int64_t n = n0; n < n1; n++)
+                for (int64_t m = 0; m < M; m++) y[m * ldy + n] = dot_row_ref(qtype, w + n * row_bytes, qx, m);
+    }
+}
+
+at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "localrun::qmatmul: x must be (M, K) float32");
+    TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "localrun::qmatmul: one qtype per weight");
+    const at::Tensor x = x_in.contiguous();
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % 32 == 0, "localrun::qmatmul: K must be a multiple of 32, got ", K);
+    std::vector<int64_t> starts{0};
+    for (size_t i = 0; i < weights.size(); i++) {
+        const at::Tensor& w = weights[i];
+        TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+                    "localrun::qmatmul: weights must be contiguous (N, row bytes) uint8");
+        TORCH_CHECK(w.size(1) == row_bytes_of((int)qtypes[i], K), "localrun::qmatmul: weight ", i, " has ", w.size(1),
+                    " bytes per row, its type needs ", row_bytes_of((int)qtypes[i], K));
+        starts.push_back(starts.back() + w.size(0));
+    }
+    const int64_t N = starts.back();
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    at::Tensor qs = at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor d = at::empty({M, K / 32}, x.options());
+    at::Tensor s = at::empty({M, K / 16}, x.options().dtype(at::kInt));
+    quantize(x.data_ptr<float>(), M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>());
+    const QX qx{qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), K};
+    float* out = y.data_ptr<float>();
+    // one pass over all weights' rows, split at part boundaries
+    const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()) / 16 * 16);
+    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+        for (size_t i = 0; i < weights.size(); i++) {
+            const int64_t lo = std::max(b, starts[i]), hi = std::min(e, starts[i + 1]);
+            if (lo >= hi) continue;
+            const at::Tensor& w = weights[i];
+            // rows lo..hi of the fused output are rows lo-start..hi-start of part i; column offset starts[i]
+            matmul_range((int)qtypes[i], w.data_ptr<uint8_t>(), w.size(1), lo - starts[i], hi - starts[i], qx, M,
+                         out + starts[i], N);
+        }
+    });
+    return y;
+}
+
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+                "localrun::dequantize: w must be contiguous (N, row bytes) uint8");
+    const int64_t row_bytes = row_bytes_of((int)qtype, K);
+    TORCH_CHECK(w.size(1) == row_bytes, "localrun::dequantize: ", w.size(1), " bytes per row, the type needs ", row_bytes);
+    const int64_t N = w.size(0);
+    at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        switch (isa()) {
+            case Isa::Avx512: avx512::dequantize_rows((int)qtype, src, row_bytes, K, n0, n1, dst); break;
+            case Isa::Avx2: avx2::dequantize_rows((int)qtype, src, row_bytes, K, n0, n1, dst); break;
+            default:
+                for (int64_t n = n0; n < n1; n++) dequantize_row_ref((int)qtype, src + n * row_bytes, K, dst + n * K);
+        }
+    });
+    return out;
+}
+
+}  // namespace
+}  // namespace localrun
+
+TORCH_LIBRARY(localrun, m) {
+    m.def("qmatmul(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
+    m.def("dequantize(Tensor w, int qtype, int k) -> Tensor");
+    m.def("isa() -> str", [] { return localrun::isa_name(); });
+}
+
+TORCH_LIBRARY_IMPL(localrun, CPU, m) {
+    m.impl("qmatmul", &localrun::qmatmul);
+    m.impl("dequantize", &localrun::dequantize);
+}

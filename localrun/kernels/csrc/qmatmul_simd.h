@@ -1,0 +1,271 @@
+// The SIMD body of the quantized matmul, compiled once per instruction set: qmatmul_avx2.cpp
+// (AVX2 + FMA + F16C: maddubs/madd) and qmatmul_avx512.cpp (adds AVX-512 VL/BW/VNNI: vpdpbusd).
+// Both use 256-bit vectors, one 32-value group per register. Each weight group is decoded to
+// u8 codes once and multiplied by up to TILE activation rows; every row runs the same
+// instructions in the same order whatever the tile, so a row's result never depends on the
+// other rows of a call (bit for bit).
+//
+// Include after defining ISA_NS (the namespace) and, for VNNI, LOCALRUN_VNNI.
+#include <immintrin.h>
+#include "blocks.h"
+
+namespace localrun { namespace ISA_NS {
+
+constexpr int TILE = 4;   // activation rows per pass over a weight row
+
+// u8 codes x s8 activations -> 8 int32 lanes (lane i: bytes 4i..4i+3)
+static inline __m256i dot_us(__m256i q, __m256i x) {
+#ifdef LOCALRUN_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// s8 codes x s8 activations (activations are never -128)
+static inline __m256i dot_ss(__m256i q, __m256i x) {
+    return dot_us(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+}
+
+static inline float f16(const uint8_t* p) {
+    uint16_t h; std::memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i <- bit i)
+static inline __m256i bytes_from_bits(const uint8_t* p) {
+    uint32_t bits; std::memcpy(&bits, p, 4);
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                              0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+static inline __m256i nibbles(const uint8_t* qs16) {   // 16 bytes -> 32 codes: low nibbles, then high
+    __m128i v = _mm_loadu_si128((const __m128i*)qs16);
+    __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// Accumulators of one activation row.
+struct Acc {
+    __m256 v = _mm256_setzero_ps();
+    float bias = 0.f;
+};
+
+// One decoded group times R activation rows. g: group index in the row (activation block).
+template <bool SIGNED, int R>
+static inline void group_rows(__m256i q, float alo, float ahi, float blo, float bhi, int64_t g,
+                              const int8_t* const* xq, const float* const* xd, const int32_t* const* xs, Acc* acc) {
+    const __m256 a = _mm256_set_m128(_mm_set1_ps(ahi), _mm_set1_ps(alo));
+    for (int r = 0; r < R; r++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(xq[r] + 32 * g));
+        const __m256i isum = SIGNED ? dot_ss(q, x) : dot_us(q, x);
+        const float dx = xd[r][g];
+        acc[r].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(a, _mm256_set1_ps(dx)), acc[r].v);
+        if (!SIGNED) {
+            const float b = blo * (float)xs[r][2 * g] + bhi * (float)xs[r][2 * g + 1];
+            acc[r].bias = std::fma(b, dx, acc[r].bias);
+        }
+    }
+}
+
+// Visit every group of a weight row: f(g, codes, alo, ahi, blo, bhi).
+template <int QT, class F>
+static inline void for_each_group(const uint8_t* row, int64_t K, F&& f) {
+    if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
+        constexpr int bytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : 24;
+        constexpr int qs_at = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
+        for (int64_t g = 0; g < K / 32; g++) {
+            const uint8_t* blk = row + g * bytes;
+            __m256i q = nibbles(blk + qs_at);
+            if constexpr (QT == Q5_0 || QT == Q5_1) {
+                __m256i hi = _mm256_and_si256(bytes_from_bits(blk + (QT == Q5_0 ? 2 : 4)), _mm256_set1_epi8(0x10));
+                q = _mm256_or_si256(q, hi);
+            }
+            const float d = f16(blk);
+            const float b = QT == Q4_0 ? -8.f * d : QT == Q5_0 ? -16.f * d : f16(blk + 2);
+            f(g, q, d, d, b, b);
+        }
+    } else if constexpr (QT == Q8_0) {
+        for (int64_t g = 0; g < K / 32; g++) {
+            const uint8_t* blk = row + g * 34;
+            const float d = f16(blk);
+            f(g, _mm256_loadu_si256((const __m256i*)(blk + 2)), d, d, 0.f, 0.f);
+        }
+    } else if constexpr (QT == Q4_K || QT == Q5_K) {
+        constexpr int bytes = QT == Q4_K ? 144 : 176;
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t* blk = row + sb * bytes;
+            const float d = f16(blk), dmin = f16(blk + 2);
+            const uint8_t* qs = blk + (QT == Q4_K ? 16 : 48);
+            __m256i qh = QT == Q5_K ? _mm256_loadu_si256((const __m256i*)(blk + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+                for (int half = 0; half < 2; half++) {
+                    const int j = 2 * c + half;
+                    __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, low4);
+                    if constexpr (QT == Q5_K) {
+                        __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+                        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+                    }
+                    int sc, m; scale_min_k4(j, blk + 4, sc, m);
+                    const float a = d * (float)sc, b = -dmin * (float)m;
+                    f(sb * 8 + j, q, a, a, b, b);
+                }
+            }
+        }
+    } else if constexpr (QT == Q6_K) {
+        const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t* blk = row + sb * 210;
+            const float d = f16(blk + 208);
+            for (int h = 0; h < 2; h++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+                const int8_t* sc = (const int8_t*)(blk + 192) + 8 * h;
+                for (int k = 0; k < 4; k++) {
+                    const __m256i ql = (k % 2) ? ql1 : ql0;
+                    __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), low2);
+                    __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                    const float alo = d * (float)sc[2 * k], ahi = d * (float)sc[2 * k + 1];
+                    f(sb * 8 + h * 4 + k, q, alo, ahi, -32.f * alo, -32.f * ahi);
+                }
+            }
+        }
+    }
+}
+
+// y[m, n] for rows m in [0, M) of qx and weight rows n in [n0, n1); y has row stride ldy.
+template <int QT, int R>
+static void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t m0,
+                      float* y, int64_t ldy) {
+    constexpr bool SIGNED = QT == Q8_0;
+    const int8_t* xq[R]; const float* xd[R]; const int32_t* xs[R];
+    for (int r = 0; r < R; r++) {
+        xq[r] = qx.qs + (m0 + r) * qx.K;
+        xd[r] = qx.d + (m0 + r) * (qx.K / 32);
+        xs[r] = qx.s + (m0 + r) * (qx.K / 16);
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        Acc acc[R];
+        for_each_group<QT>(w + n * row_bytes, qx.K, [&](int64_t g, __m256i q, float alo, float ahi, float blo, float bhi) {
+            group_rows<SIGNED, R>(q, alo, ahi, blo, bhi, g, xq, xd, xs, acc);
+        });
+        for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n] = hsum(acc[r].v) + acc[r].bias;
+    }
+}
+
+template <int QT>
+static void rows_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
+                     float* y, int64_t ldy) {
+    constexpr int64_t NCHUNK = 16;       // weight rows kept hot in L1 while every tile passes over them
+    for (int64_t nc = n0; nc < n1; nc += NCHUNK) {
+        const int64_t ne = nc + NCHUNK < n1 ? nc + NCHUNK : n1;
+        int64_t m = 0;
+        for (; m + TILE <= M; m += TILE) rows_tile<QT, TILE>(w, row_bytes, nc, ne, qx, m, y, ldy);
+        switch (M - m) {
+            case 3: rows_tile<QT, 3>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
+            case 2: rows_tile<QT, 2>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
+            case 1: rows_tile<QT, 1>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
+            default: break;
+        }
+    }
+}
+
+// The entry points the dispatcher calls (ops.cpp).
+bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
+                 float* y, int64_t ldy) {
+    switch (qtype) {
+        case Q4_0: rows_all<Q4_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        case Q4_1: rows_all<Q4_1>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        case Q5_0: rows_all<Q5_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        case Q5_1: rows_all<Q5_1>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        case Q8_0: rows_all<Q8_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        case Q4_K: rows_all<Q4_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        case Q5_K: rows_all<Q5_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        case Q6_K: rows_all<Q6_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+        default: return false;
+    }
+}
+
+// Quantize rows [m0, m1) of x (M, K) to the activation format: round half to even, as the reference.
+void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs, float* d, int32_t* s) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int64_t m = m0; m < m1; m++) {
+        for (int64_t b = 0; b < K / 32; b++) {
+            const float* xb = x + m * K + 32 * b;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+            }
+            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+            const float a = _mm_cvtss_f32(mx);
+            const float inv = a > 0.f ? 127.f / a : 0.f;
+            d[m * (K / 32) + b] = a / 127.f;
+            __m256i q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            // sums per 16 values
+            __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]);
+            int32_t t0[8], t1[8];
+            _mm256_storeu_si256((__m256i*)t0, s01); _mm256_storeu_si256((__m256i*)t1, s23);
+            int32_t a0 = 0, a1 = 0;
+            for (int i = 0; i < 8; i++) { a0 += t0[i]; a1 += t1[i]; }
+            s[m * (K / 16) + 2 * b] = a0; s[m * (K / 16) + 2 * b + 1] = a1;
+            // pack int32 -> int8 in order
+            __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+            __m256i p = _mm256_packs_epi16(p01, p23);
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i*)(qs + m * K + 32 * b), p);
+        }
+    }
+}
+
+// Dequantize weight rows [n0, n1) to float32 out (row stride K).
+bool dequantize_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, float* out) {
+    auto run = [&](auto qt) {
+        constexpr int QT = decltype(qt)::value;
+        for (int64_t n = n0; n < n1; n++) {
+            float* o = out + n * K;
+            for_each_group<QT>(w + n * row_bytes, K, [&](int64_t g, __m256i q, float alo, float ahi, float blo, float bhi) {
+                __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int i = 0; i < 4; i++) {
+                    __m256i q32 = QT == Q8_0 ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
+                    const float a = i < 2 ? alo : ahi, b = i < 2 ? blo : bhi;
+                    _mm256_storeu_ps(o + 32 * g + 8 * i,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_set1_ps(a), _mm256_set1_ps(b)));
+                }
+            });
+        }
+    };
+    switch (qtype) {
+        case Q4_0: run(std::integral_constant<int, Q4_0>{}); return true;
+        case Q4_1: run(std::integral_constant<int, Q4_1>{}); return true;
+        case Q5_0: run(std::integral_constant<int, Q5_0>{}); return true;
+        case Q5_1: run(std::integral_constant<int, Q5_1>{}); return true;
+        case Q8_0: run(std::integral_constant<int, Q8_0>{}); return true;
+        case Q4_K: run(std::integral_constant<int, Q4_K>{}); return true;
+        case Q5_K: run(std::integral_constant<int, Q5_K>{}); return true;
+        case Q6_K: run(std::integral_constant<int, Q6_K>{}); return true;
+        default: return false;
+    }
+}
+
+}}  // namespace localrun::ISA_NS
