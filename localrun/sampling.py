@@ -10,40 +10,74 @@ import torch
 from localrun.errors import UserError
 
 
+class InvalidSamplingParam(UserError, ValueError):
+    """A sampling field out of its range; `field` names it (the server's 400 carries it)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# The ranges, OpenAI's where OpenAI defines the field. repeat_penalty (llama.cpp's) divides
+# logits: outside [0.01, 10] it overflows float32 logits or stops meaning anything.
+TEMPERATURE_RANGE = (0.0, 2.0)
+REPEAT_PENALTY_RANGE = (0.01, 10.0)
+MIN_TEMPERATURE = 1e-6      # a positive temperature below this samples as this (float32 would overflow)
+SEED_MODULUS = 2 ** 64      # torch generators take a 64-bit seed; any integer is mapped into it
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 0.8        # <= 0 means greedy
-    top_k: int = 40                 # <= 0 disables
-    top_p: float = 0.95             # >= 1 disables
-    min_p: float = 0.05             # <= 0 disables
+    temperature: float = 0.8        # 0 means greedy; at most 2
+    top_k: int = 40                 # 0 disables
+    top_p: float = 0.95             # in (0, 1]; 1 disables
+    min_p: float = 0.05             # in [0, 1]; 0 disables
     repeat_penalty: float = 1.0     # 1 disables; llama.cpp's rule over the last repeat_last_n tokens
     repeat_last_n: int = 64
-    seed: int | None = None
+    seed: int | None = None         # any integer (taken modulo 2**64)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     speculative: bool = True        # False: never draft for this request, even when the engine speculates
 
     def __post_init__(self):
-        if self.max_tokens < 0:
-            raise UserError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 <= self.top_p <= 1:
-            raise UserError(f"top_p must be between 0 and 1, got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise UserError(f"min_p must be between 0 and 1, got {self.min_p}")
-        if self.repeat_penalty <= 0:
-            raise UserError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        _integer("max_tokens", self.max_tokens, low=0)
+        _number("temperature", self.temperature, *TEMPERATURE_RANGE)
+        _integer("top_k", self.top_k, low=0)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("repeat_penalty", self.repeat_penalty, *REPEAT_PENALTY_RANGE)
+        _integer("repeat_last_n", self.repeat_last_n, low=0)
+        if self.seed is not None:
+            _integer("seed", self.seed)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidSamplingParam("stop", "stop must be a sequence of non-empty strings")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
 
+def _integer(name: str, value, low: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSamplingParam(name, f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise InvalidSamplingParam(name, f"{name} must be >= {low}, got {value}")
+
+
+def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    """A real number in [low, high] ((low, high] with low_open); NaN and infinities fail."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSamplingParam(name, f"{name} must be a number, got {value!r}")
+    inside = (low < value if low_open else low <= value) and value <= high
+    if not inside:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidSamplingParam(name, f"{name} must be in {bounds}, got {value!r}")
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else torch.seed() % (2 ** 63))
+    g.manual_seed(seed % SEED_MODULUS if seed is not None else torch.seed() % (2 ** 63))
     return g
 
 
@@ -69,6 +103,7 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens before it already reach top_p (always keep the first)
         drop_sorted = (probs.cumsum(-1) - probs) >= p.top_p
+        drop_sorted[0] = False     # even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if p.min_p > 0.0:
@@ -103,4 +138,4 @@ def _penalized(logits: torch.Tensor, p: SamplingParams, recent) -> torch.Tensor:
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    return (filter_logits(logits, p) / p.temperature).softmax(-1)
+    return (filter_logits(logits, p) / max(p.temperature, MIN_TEMPERATURE)).softmax(-1)

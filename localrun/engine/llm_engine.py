@@ -37,7 +37,8 @@ class StepOutput(NamedTuple):
     seq: Sequence
     token_id: int | None     # sampled this step; None for a prefill chunk short of the prompt's end
                              # (a speculative step that keeps n tokens reports n outputs, in order)
-    finished: bool           # seq.finish_reason says why ("stop", "length", "abort")
+    finished: bool           # seq.finish_reason says why ("stop", "length", "abort", "error")
+    error: str | None = None  # finish_reason "error": what failed (this request alone)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -188,10 +189,14 @@ class LLMEngine:
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
         execute_s = time.perf_counter() - start
+        errors = self._finish_failed(batch, sampled)
         finished = self.scheduler.postprocess(batch, sampled)
         if self.speculator is not None:
             self.speculator.observe(batch, execute_s)
         for entry in batch.entries:     # a verify step may append several tokens: one output each
+            if entry.seq.request_id in errors:
+                outputs.append(StepOutput(entry.seq, None, True, errors[entry.seq.request_id]))
+                continue
             token_ids = entry.output_token_ids or [None]
             for i, token_id in enumerate(token_ids):
                 outputs.append(StepOutput(entry.seq, token_id, entry.seq.is_finished and i == len(token_ids) - 1))
@@ -200,6 +205,19 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self._set_tiers_busy(False)
         return outputs
+
+    def _finish_failed(self, batch, sampled: list) -> dict[str, str]:
+        """End each request whose sampling raised (finish_reason "error", blocks freed) and
+        put a placeholder in its place, which postprocess skips (the sequence is finished).
+        Returns request_id -> the error, for its StepOutput."""
+        errors = {}
+        entries = [e for e in batch.entries if e.samples_token]
+        for i, (entry, value) in enumerate(zip(entries, sampled)):
+            if isinstance(value, Exception):
+                errors[entry.seq.request_id] = f"{type(value).__name__}: {value}"
+                self.finish_request(entry.seq.request_id, "error")
+                sampled[i] = []
+        return errors
 
     def _set_tiers_busy(self, busy: bool) -> None:
         for tier in self.block_manager.lower_tiers:

@@ -77,21 +77,25 @@ class ModelRunner:
         with decode_rows(num_decode_rows(batch) if self.batch_invariant_decode else 0):
             return self.model(tokens, positions, self.segments(batch), rows)
 
-    def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int]]:
+    def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int] | Exception]:
         """Per sampling entry, in entry order (what Scheduler.postprocess takes): one token id,
-        or for an entry with drafts the tokens verification keeps."""
+        or for an entry with drafts the tokens verification keeps. An entry whose sampling
+        raises gets the exception in its place: the engine ends that request alone."""
         entries = [e for e in batch.entries if e.samples_token]
         assert logits.shape[0] == sum(e.num_sample_rows for e in entries)
         logits = logits.cpu()
         out, row = [], 0
         for entry in entries:
             seq, params = entry.seq, entry.seq.sampling_params or DEFAULT_PARAMS
-            if entry.num_draft_tokens:
-                rows = logits[row:row + entry.num_sample_rows]
-                out.append(verify_draft(rows, entry.draft_token_ids, entry.draft_probs, params,
-                                        self._generator(seq), seq.token_ids))
-            else:   # penalty over prompt + output
-                out.append(sample(logits[row], params, self._generator(seq), seq.token_ids))
+            try:
+                if entry.num_draft_tokens:
+                    rows = logits[row:row + entry.num_sample_rows]
+                    out.append(verify_draft(rows, entry.draft_token_ids, entry.draft_probs, params,
+                                            self._generator(seq), seq.token_ids))
+                else:   # penalty over prompt + output
+                    out.append(sample(logits[row], params, self._generator(seq), seq.token_ids))
+            except Exception as e:      # noqa: BLE001 - one request's fault must not end the batch
+                out.append(e)
             row += entry.num_sample_rows
         return out
 

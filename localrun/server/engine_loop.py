@@ -113,7 +113,11 @@ class EngineLoop:
                 continue
             now = time.perf_counter()
             for out in outputs:
-                self._handle(out, now)
+                try:
+                    self._handle(out, now)
+                except Exception as e:     # noqa: BLE001 - one request's text, not everyone's
+                    log.exception("post-processing %s failed", out.seq.request_id)
+                    self._fail_one(out.seq.request_id, f"{type(e).__name__}: {e}")
         for rid in list(self._requests):
             self._finish_abort(rid, "the server is shutting down")
 
@@ -145,6 +149,11 @@ class EngineLoop:
         seq = out.seq
         request = self._requests.get(seq.request_id)
         if request is None:
+            return
+        if out.error is not None:
+            log.error("%s failed alone: %s", seq.request_id, out.error)
+            del self._requests[seq.request_id]
+            request.put(Event("error", message=f"this request failed: {out.error}"))
             return
         params = request.params
         if out.token_id is not None and not (out.token_id in self.eog and not params.ignore_eos):
@@ -178,6 +187,10 @@ class EngineLoop:
         request = self._requests.pop(request_id)
         self.engine.abort(request_id)
         request.put(Event("error", message=message))
+
+    def _fail_one(self, request_id: str, error: str) -> None:
+        if request_id in self._requests:
+            self._finish_abort(request_id, f"this request failed: {error}")
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._requests):
