@@ -13,25 +13,39 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerplan.ggml_types import tensor_bytes
+from layerplan.ggml_types import GGML_TYPES, tensor_bytes
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 KEEP_ARRAY_MAX = 1024  # arrays longer than this keep only their length
+MAX_DIMS = 4           # ggml's GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 4    # arrays of arrays: deeper nesting is refused, not recursed into
+MAX_ALIGNMENT = 1 << 20
 
 # GGUF value types: id -> struct format (None for string/array)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# the fewest bytes one item of a type can take (a string's length, an array's type and count)
+_MIN_BYTES = {**{t: struct.calcsize("<" + f) for t, f in _SCALAR.items()}, _STRING: 8, _ARRAY: 12}
+_MIN_KV_BYTES = 8 + 4 + 1            # key length, value type, the smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dimension, type, offset
 
 
 class GGUFFormatError(ValueError):
-    """The file is not a GGUF file this reader understands."""
+    """The file is not a GGUF file this reader understands; str() is one sentence naming the
+    file, `detail` the clause that says what is wrong."""
+
+    def __init__(self, detail: str, name: str | None = None):
+        self.detail = detail
+        super().__init__(f"{name} is not a valid GGUF file: {detail}" if name else detail)
 
 
 @dataclass(frozen=True)
 class LongArray:
-    """A metadata array too long to keep (tokenizer tokens, merges): only its length."""
+    """A metadata array too long to keep (tokenizer tokens, merges): only its length and the
+    GGUF type id of its items."""
     length: int
+    item_type: int = _STRING
 
     def __len__(self) -> int:
         return self.length
@@ -54,6 +68,7 @@ class GGUFHeader:
     tensors: tuple[TensorInfo, ...]
     data_offset: int         # where tensor data starts in the file
     file_bytes: int
+    value_types: dict | None = None   # key -> GGUF value type id (for arrays: (9, item type id))
 
     @property
     def architecture(self) -> str:
@@ -65,92 +80,162 @@ class GGUFHeader:
 
 
 class _Cursor:
-    def __init__(self, buf, pos: int = 0):
-        self.buf, self.pos = buf, pos
+    """Reads little-endian fields from `buf`, checking every length against the bytes left
+    before it unpacks, slices or allocates anything."""
 
-    def unpack(self, fmt: str):
-        try:
-            values = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        except struct.error:
-            raise GGUFFormatError("the header ends early (truncated file?)") from None
-        self.pos += struct.calcsize("<" + fmt)
+    def __init__(self, buf, end: int):
+        self.buf, self.pos, self.end = buf, 0, end
+
+    @property
+    def left(self) -> int:
+        return self.end - self.pos
+
+    def take(self, n: int, what: str) -> int:
+        """Step over n bytes that must exist; returns where they start."""
+        if n > self.left:
+            raise GGUFFormatError(f"the header ends early: {what} runs past the end of the file")
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def unpack(self, fmt: str, what: str):
+        fmt = "<" + fmt
+        start = self.take(struct.calcsize(fmt), what)
+        values = struct.unpack_from(fmt, self.buf, start)
         return values[0] if len(values) == 1 else values
 
-    def string(self) -> str:
-        n = self.unpack("Q")
-        if self.pos + n > len(self.buf):
-            raise GGUFFormatError("a header string runs past the end of the file")
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
+    def string(self, what: str) -> str:
+        n = self.unpack("Q", what)
+        start = self.take(n, what)
+        try:
+            return bytes(self.buf[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFFormatError(f"{what} is not valid UTF-8 text") from None
 
-    def skip_string(self) -> None:
-        self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+    def skip_string(self, what: str) -> None:
+        self.take(self.unpack("Q", what), what)
 
-    def value(self, type_id: int):
+    def value(self, type_id: int, what: str, depth: int = 0):
         if type_id in _SCALAR:
-            return self.unpack(_SCALAR[type_id])
+            return self.unpack(_SCALAR[type_id], what)
         if type_id == _STRING:
-            return self.string()
+            return self.string(what)
         if type_id == _ARRAY:
-            return self.array()
-        raise GGUFFormatError(f"unknown metadata value type {type_id}")
+            return self.array(what, depth)
+        raise GGUFFormatError(f"{what} has unknown value type {type_id}")
 
-    def array(self):
-        item_type, n = self.unpack("I"), self.unpack("Q")
+    def array(self, what: str, depth: int):
+        item_type, n = self.unpack("I", what), self.unpack("Q", what)
+        if item_type not in _MIN_BYTES:
+            raise GGUFFormatError(f"{what} is an array of unknown value type {item_type}")
+        if n > self.left // _MIN_BYTES[item_type]:
+            raise GGUFFormatError(f"{what} claims {n:,} items, more than the {self.left:,} bytes left "
+                                  f"in the file can hold")
+        if item_type == _ARRAY and depth + 1 >= MAX_ARRAY_DEPTH:
+            raise GGUFFormatError(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
+        if item_type in _SCALAR:
+            size = _MIN_BYTES[item_type]
+            start = self.take(n * size, what)
+            if n > KEEP_ARRAY_MAX:
+                return LongArray(n, item_type)
+            return list(struct.unpack_from(f"<{n}{_SCALAR[item_type]}", self.buf, start))
         if n > KEEP_ARRAY_MAX:
-            if item_type in _SCALAR:
-                self.pos += n * struct.calcsize(_SCALAR[item_type])
-            elif item_type == _STRING:
-                for _ in range(n):
-                    self.skip_string()
-            else:
-                for _ in range(n):
-                    self.value(item_type)
-            return LongArray(n)
-        if item_type in _SCALAR and n:
-            fmt = f"{n}{_SCALAR[item_type]}"
-            values = struct.unpack_from("<" + fmt, self.buf, self.pos)
-            self.pos += struct.calcsize("<" + fmt)
-            return list(values)
-        return [self.value(item_type) for _ in range(n)]
+            for _ in range(n):
+                if item_type == _STRING:
+                    self.skip_string(what)
+                else:
+                    self.value(item_type, what, depth + 1)
+            return LongArray(n, item_type)
+        return [self.value(item_type, what, depth + 1) for _ in range(n)]
 
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
-    """Parse the header of the GGUF file at `path`; raises GGUFFormatError for anything else."""
+    """Parse the header of the GGUF file at `path`. Anything malformed (a length past the end of
+    the file, bad UTF-8, a duplicate name, a tensor outside the file) raises GGUFFormatError
+    with one sentence; nothing is allocated or unpacked before its size is checked."""
     path = Path(path)
     with open(path, "rb") as f:
         file_bytes = os.fstat(f.fileno()).st_size
         if file_bytes < 24:
-            raise GGUFFormatError(f"{path.name} is too short to be a GGUF file")
+            raise GGUFFormatError(f"it is too short ({file_bytes} bytes) to be a GGUF file", path.name)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse(path, buf, file_bytes)
+            try:
+                return _parse(path, buf, file_bytes)
+            except GGUFFormatError as err:
+                raise GGUFFormatError(err.detail, path.name) from None
 
 
 def _parse(path: Path, buf, file_bytes: int) -> GGUFHeader:
-    cur = _Cursor(buf)
+    cur = _Cursor(buf, file_bytes)
     if bytes(buf[:4]) != GGUF_MAGIC:
-        raise GGUFFormatError(f"{path.name} is not a GGUF file (it does not start with 'GGUF')")
+        raise GGUFFormatError("it does not start with 'GGUF', so it is not a GGUF file")
     cur.pos = 4
-    version = cur.unpack("I")
+    version = cur.unpack("I", "the version")
     if version not in (2, 3):
-        raise GGUFFormatError(f"{path.name} is GGUF version {version}; only versions 2 and 3 are read")
-    n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
-    metadata = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.unpack("I")
-        shape = tuple(cur.unpack("Q") for _ in range(n_dims))
-        type_id, offset = cur.unpack("I"), cur.unpack("Q")
-        try:
-            n_bytes = tensor_bytes(type_id, shape)
-        except (ValueError, AssertionError) as err:
-            raise GGUFFormatError(f"tensor {name}: {err}") from None
-        infos.append(TensorInfo(name, shape, type_id, offset, n_bytes))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        raise GGUFFormatError(f"it is GGUF version {version}; only versions 2 and 3 are read")
+    n_tensors, n_kv = cur.unpack("Q", "the tensor count"), cur.unpack("Q", "the metadata count")
+    if n_kv > cur.left // _MIN_KV_BYTES:
+        raise GGUFFormatError(f"the header ends early: it claims {n_kv:,} metadata entries, more than the file's "
+                              f"{file_bytes:,} bytes can hold")
+    if n_tensors > cur.left // _MIN_TENSOR_INFO_BYTES:
+        raise GGUFFormatError(f"the header ends early: it claims {n_tensors:,} tensors, more than the file's "
+                              f"{file_bytes:,} bytes can hold")
+    metadata, value_types = {}, {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key {i + 1}")
+        if key in metadata:
+            raise GGUFFormatError(f"metadata key '{key}' appears twice")
+        type_id = cur.unpack("I", f"the type of '{key}'")
+        start = cur.pos
+        metadata[key] = cur.value(type_id, f"the value of '{key}'")
+        value_types[key] = (type_id, struct.unpack_from("<I", buf, start)[0]) if type_id == _ARRAY else type_id
+    infos = [_tensor_info(cur, i) for i in range(n_tensors)]
+    names = set()
+    for info in infos:
+        if info.name in names:
+            raise GGUFFormatError(f"tensor '{info.name}' appears twice")
+        names.add(info.name)
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (type(alignment) is not int or not 1 <= alignment <= MAX_ALIGNMENT
+            or alignment & (alignment - 1)):
+        raise GGUFFormatError(f"general.alignment is {alignment!r}; it must be a power of two up to {MAX_ALIGNMENT:,}")
     data_offset = (cur.pos + alignment - 1) // alignment * alignment
-    return GGUFHeader(path, version, metadata, tuple(infos), data_offset, file_bytes)
+    _check_tensor_data(infos, alignment, data_offset, file_bytes)
+    return GGUFHeader(path, version, metadata, tuple(infos), data_offset, file_bytes, value_types)
+
+
+def _tensor_info(cur: _Cursor, i: int) -> TensorInfo:
+    name = cur.string(f"the name of tensor {i + 1}")
+    what = f"the info of tensor '{name}'"
+    n_dims = cur.unpack("I", what)
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise GGUFFormatError(f"tensor '{name}' has {n_dims} dimensions; GGUF tensors have 1 to {MAX_DIMS}")
+    shape = tuple(cur.unpack("Q", what) for _ in range(n_dims))
+    n_elements = 1
+    for dim in shape:
+        n_elements *= dim
+    if n_elements == 0 or n_elements >= 2**63:
+        raise GGUFFormatError(f"tensor '{name}' has shape {list(shape)}, which holds no data or more than ggml can index")
+    type_id, offset = cur.unpack("I", what), cur.unpack("Q", what)
+    ggml_type = GGML_TYPES.get(type_id)
+    if ggml_type is None:
+        raise GGUFFormatError(f"tensor '{name}' has unknown type id {type_id}")
+    if shape[0] % ggml_type.block_size:
+        raise GGUFFormatError(f"tensor '{name}' has rows of {shape[0]:,} values, which do not fill "
+                              f"{ggml_type.name} blocks of {ggml_type.block_size}")
+    return TensorInfo(name, shape, type_id, offset, tensor_bytes(type_id, shape))
+
+
+def _check_tensor_data(infos: list[TensorInfo], alignment: int, data_offset: int, file_bytes: int) -> None:
+    """Every tensor's bytes lie inside the file, aligned, and no two tensors share bytes."""
+    for info in infos:
+        if info.offset % alignment:
+            raise GGUFFormatError(f"tensor '{info.name}' starts at offset {info.offset:,}, which is not "
+                                  f"a multiple of the alignment {alignment}")
+        end = data_offset + info.offset + info.n_bytes
+        if end > file_bytes:
+            raise GGUFFormatError(f"it is truncated: tensor '{info.name}' ends at byte {end:,}, past the "
+                                  f"end of the file at byte {file_bytes:,}")
+    by_offset = sorted(infos, key=lambda t: t.offset)
+    for before, after in zip(by_offset, by_offset[1:]):
+        if before.offset + before.n_bytes > after.offset:
+            raise GGUFFormatError(f"tensors '{before.name}' and '{after.name}' overlap in the file")

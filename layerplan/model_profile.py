@@ -11,7 +11,9 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from layerplan.gguf_header import GGUFHeader, LongArray, TensorInfo, read_header
+from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray, TensorInfo, read_header
+from layerplan.gguf_values import (MAX_CONTEXT, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
+                                   arch_int, arch_ints_per_layer)
 
 # general.file_type -> llama.cpp's name for the quantization mix
 FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
@@ -23,7 +25,7 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
 # architectures whose layers alternate sliding-window and global attention: pattern length n
 # means layers with (il % n) < n - 1 use the window (llama.cpp's set_swa_pattern)
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
-_BLOCK = re.compile(r"^blk\.(\d+)\.")
+_BLOCK = re.compile(r"^blk\.(\d{1,6})\.")
 
 
 @dataclass(frozen=True)
@@ -85,16 +87,6 @@ def profile_gguf(path: str | os.PathLike) -> ModelProfile:
     return profile_from_header(read_header(path))
 
 
-def _per_layer(value, n_layers: int, name: str) -> list[int]:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n_layers:
-            raise ValueError(f"{name} lists {len(value)} values for {n_layers} layers")
-        return [int(v) for v in value]
-    if value is None:
-        raise ValueError(f"the GGUF header has no {name}")
-    return [int(value)] * n_layers
-
-
 def _params(info: TensorInfo) -> int:
     if len(info.shape) < 2:
         return 0  # norms and biases: no matmul
@@ -104,7 +96,35 @@ def _params(info: TensorInfo) -> int:
     return n
 
 
+def _layer_count(header: GGUFHeader, by_layer: dict) -> int:
+    """block_count, bounded: every layer holds at least one of the file's tensors."""
+    n_layers = arch_int(header, "block_count", max(by_layer, default=-1) + 1, high=MAX_LAYERS)
+    if not n_layers:
+        raise ValueError(f"{header.path.name} has no transformer layers this planner understands")
+    if n_layers > len(header.tensors):
+        raise GGUFFormatError(f"'{header.architecture}.block_count' is {n_layers:,}, more layers than the "
+                              f"file's {len(header.tensors):,} tensors can make", header.path.name)
+    return n_layers
+
+
+def _embedding_width(header: GGUFHeader, globals_: dict) -> int:
+    embd = globals_.get("token_embd.weight")
+    d_model = arch_int(header, "embedding_length", embd.shape[0] if embd else 0, high=MAX_WIDTH)
+    if not d_model:
+        raise ValueError(f"{header.path.name} has no transformer layers this planner understands")
+    return d_model
+
+
 def profile_from_header(header: GGUFHeader) -> ModelProfile:
+    """The profile of a parsed header; malformed or absurd metadata raises GGUFFormatError
+    (a ValueError) with one sentence."""
+    try:
+        return _profile(header)
+    except GGUFFormatError as err:
+        raise GGUFFormatError(err.detail, header.path.name) from None
+
+
+def _profile(header: GGUFHeader) -> ModelProfile:
     arch, meta = header.architecture, header.metadata
     by_layer: dict[int, list[TensorInfo]] = defaultdict(list)
     globals_: dict[str, TensorInfo] = {}
@@ -114,21 +134,17 @@ def profile_from_header(header: GGUFHeader) -> ModelProfile:
             by_layer[int(match.group(1))].append(info)
         else:
             globals_[info.name] = info
-    n_layers = int(header.arch_value("block_count", max(by_layer, default=-1) + 1))
-    embd = globals_.get("token_embd.weight")
-    d_model = int(header.arch_value("embedding_length", embd.shape[0] if embd else 0))
-    if not n_layers or not d_model:
-        raise ValueError(f"{header.path.name} has no transformer layers this planner understands")
-    n_head = _per_layer(header.arch_value("attention.head_count"), n_layers, f"{arch}.attention.head_count")
-    n_kv_head = _per_layer(header.arch_value("attention.head_count_kv", header.arch_value("attention.head_count")),
-                           n_layers, f"{arch}.attention.head_count_kv")
-    n_ff = header.arch_value("feed_forward_length", 0)
-    n_ff = max(n_ff) if isinstance(n_ff, list) else int(n_ff)
-    default_head_dim = d_model // max(1, max(n_head))
-    head_dim_k = int(header.arch_value("attention.key_length", default_head_dim))
-    head_dim_v = int(header.arch_value("attention.value_length", head_dim_k))
-    window = header.arch_value("attention.sliding_window")
+    n_layers, d_model = _layer_count(header, by_layer), _embedding_width(header, globals_)
+    n_head = arch_ints_per_layer(header, "attention.head_count", n_layers, high=MAX_HEADS)
+    if not max(n_head):
+        raise GGUFFormatError(f"'{arch}.attention.head_count' is 0 in every layer", header.path.name)
+    n_kv_head = arch_ints_per_layer(header, "attention.head_count_kv", n_layers, n_head, high=MAX_HEADS)
+    n_ff = max(arch_ints_per_layer(header, "feed_forward_length", n_layers, 0, high=MAX_WIDTH))
+    head_dim_k = arch_int(header, "attention.key_length", max(1, d_model // max(n_head)), low=1, high=MAX_WIDTH)
+    head_dim_v = arch_int(header, "attention.value_length", head_dim_k, low=1, high=MAX_WIDTH)
+    window = arch_int(header, "attention.sliding_window", 0, high=MAX_CONTEXT)
     pattern = SWA_PATTERNS.get(arch)
+    embd = globals_.get("token_embd.weight")
 
     layers = []
     for il in range(n_layers):
@@ -149,8 +165,9 @@ def profile_from_header(header: GGUFHeader) -> ModelProfile:
     stray = [t for il, ts in by_layer.items() if il >= n_layers for t in ts]  # e.g. next-token-prediction layers
 
     tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = int(header.arch_value("vocab_size", 0) or (len(tokens) if isinstance(tokens, (list, LongArray)) else 0)
-                  or (embd.shape[1] if embd else 0))
+    n_vocab = (arch_int(header, "vocab_size", 0, high=MAX_VOCAB)
+               or (len(tokens) if isinstance(tokens, (list, LongArray)) else 0)
+               or (embd.shape[1] if embd and len(embd.shape) > 1 else 0))
     output = globals_.get("output.weight")
     head_names = {"output.weight", "output_norm.weight", "output_norm.bias", "output.bias"}
     output_bytes = sum(t.n_bytes for name, t in globals_.items() if name in head_names)
@@ -158,12 +175,14 @@ def profile_from_header(header: GGUFHeader) -> ModelProfile:
     other_bytes = sum(t.n_bytes for name, t in globals_.items()
                       if name not in head_names and name != "token_embd.weight") + sum(t.n_bytes for t in stray)
     tied = output is None
+    file_type = meta.get("general.file_type")
+    n_expert = arch_int(header, "expert_count", 0, high=MAX_EXPERTS)
     return ModelProfile(
         name=str(meta.get("general.name") or header.path.stem),
         architecture=arch,
-        quantization=FILE_TYPES.get(meta.get("general.file_type"), "unknown"),
+        quantization=FILE_TYPES.get(file_type, "unknown") if type(file_type) is int else "unknown",
         n_layers=n_layers, d_model=d_model, n_ff=n_ff, n_vocab=n_vocab,
-        n_ctx_train=int(header.arch_value("context_length", 4096)),
+        n_ctx_train=arch_int(header, "context_length", 4096, low=1, high=MAX_CONTEXT),
         layers=tuple(layers),
         embedding_bytes=embedding_bytes,
         output_bytes=output_bytes,
@@ -171,7 +190,7 @@ def profile_from_header(header: GGUFHeader) -> ModelProfile:
         head_params=n_vocab * d_model,
         tied_embeddings=tied,
         other_bytes=other_bytes,
-        n_expert=int(header.arch_value("expert_count", 0) or 0),
-        n_expert_used=int(header.arch_value("expert_used_count", 0) or 0),
+        n_expert=n_expert,
+        n_expert_used=arch_int(header, "expert_used_count", 0, high=n_expert),
         path=str(header.path),
     )

@@ -1,14 +1,19 @@
 """Chat prompts from the GGUF's `tokenizer.chat_template`, rendered with jinja2 the way
-Hugging Face's tokenizers render them (sandboxed, trim_blocks, lstrip_blocks)."""
+Hugging Face's tokenizers render them (sandboxed, trim_blocks, lstrip_blocks), within limits
+of time, size and recursion (localrun/template_sandbox.py): the template comes from a file.
+
+`check_template` runs at load: a template that does not compile, breaks a limit on sample
+conversations, or fails on all of them is refused with one sentence, and the built-in
+ChatML template is used instead."""
 from __future__ import annotations
 
 from datetime import datetime
 from functools import lru_cache
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from localrun.errors import UserError
+from localrun.template_sandbox import BoundedEnvironment, Limits, TemplateLimitError, compile_template, render_bounded
 
 # used when a GGUF carries no template
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -21,12 +26,49 @@ def _raise(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
+DEFAULT_LIMITS = Limits()
+LOAD_LIMITS = Limits(seconds=0.5, max_chars=1 << 20)     # for the sample conversations at load
+SAMPLE_CONVERSATIONS = (
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello!"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+     {"role": "user", "content": "How are you?"}],
+)
+
+
 @lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+def _environment(max_chars: int) -> BoundedEnvironment:
+    env = BoundedEnvironment(max_chars)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str, max_chars: int) -> jinja2.Template:
+    return compile_template(_environment(max_chars), source)
+
+
+def check_template(source: str) -> str | None:
+    """None if `source` is a usable chat template, else one sentence saying why it is refused."""
+    try:
+        template = _compile(source, LOAD_LIMITS.max_chars)
+    except TemplateLimitError as e:
+        return f"the model's chat template is refused: {e}"
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        return f"the model's chat template has a syntax error (line {e.lineno}: {e.message})"
+    failures = []
+    for messages in SAMPLE_CONVERSATIONS:
+        try:
+            render_bounded(template, LOAD_LIMITS, messages=messages, add_generation_prompt=True,
+                           bos_token="<s>", eos_token="</s>")
+        except TemplateLimitError as e:
+            return f"the model's chat template is refused: {e}"
+        except Exception as e:   # raise_exception() or a template bug: judged over all samples
+            failures.append(f"{type(e).__name__}: {e}")
+    if len(failures) == len(SAMPLE_CONVERSATIONS):
+        return f"the model's chat template fails on every sample conversation ({failures[0]})"
+    return None
 
 
 def validate_messages(messages) -> list[dict]:
@@ -50,12 +92,18 @@ def validate_messages(messages) -> list[dict]:
 
 
 def render_chat(template: str | None, messages, *, bos_token: str = "", eos_token: str = "",
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (a list of {role, content} dicts)."""
+                add_generation_prompt: bool = True, limits: Limits = DEFAULT_LIMITS) -> str:
+    """The prompt text for `messages` (a list of {role, content} dicts); the built-in ChatML
+    template when `template` is None. Rendering is bounded by `limits`."""
     messages = validate_messages(messages)
     try:
-        return _compile(template or CHATML).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token, eos_token=eos_token)
+        compiled = _compile(template or CHATML, limits.max_chars)
+        return render_bounded(compiled, limits, messages=messages, add_generation_prompt=add_generation_prompt,
+                              bos_token=bos_token, eos_token=eos_token)
+    except TemplateLimitError as e:
+        raise UserError(f"the model's chat template went past a limit on these messages: {e}") from None
     except jinja2.exceptions.TemplateError as e:
         raise UserError(f"the model's chat template failed to render these messages: {e}") from None
+    except Exception as e:   # a template bug that these messages trigger (TypeError, ...)
+        raise UserError(f"the model's chat template failed to render these messages "
+                        f"({type(e).__name__}: {e})") from None

@@ -66,6 +66,13 @@ def _load(model, ctx, threads, kv_type=None, parallel=1, **options):
     return llm
 
 
+def _warn_template(llm) -> None:
+    """A chat template the sandbox refused at load: say so once; the built-in one is used."""
+    if llm.config.chat_template_error:
+        err.print(f"[yellow]warning: {llm.config.chat_template_error}; using the built-in ChatML template[/yellow]",
+                  soft_wrap=True)
+
+
 def _stats_line(t: dict) -> str:
     tiers = [f"{t[f'cached_tokens_{tier}']} from {tier}" for tier in ("ram", "disk") if t.get(f"cached_tokens_{tier}")]
     disk = f" ({', '.join(tiers)})" if tiers else ""
@@ -94,6 +101,7 @@ def chat(model: Optional[str] = ModelArg,
                 cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram, num_speculative_tokens=draft_max,
                 n_gpu_layers=gpu_layers,
                 **_speculative(draft_model, spec))
+    _warn_template(llm)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     last = None
@@ -198,21 +206,21 @@ def info(model: Optional[str] = ModelArg,
     """Architecture, shapes and tensor types of a model (from its header; no weights read)."""
     from collections import Counter
 
-    from gguf import GGMLQuantizationType as QT
-
-    from localrun.gguf_file import open_gguf
+    from localrun.gguf_file import open_gguf, type_name
     from localrun.models import resolve_model
     f = open_gguf(resolve_model(model))
     c = f.config
     n_bytes, n_tensors = Counter(), Counter()
     for t in f.tensors.values():
-        n_bytes[QT(t.type_id).name] += t.n_bytes
-        n_tensors[QT(t.type_id).name] += 1
+        n_bytes[type_name(t.type_id)] += t.n_bytes
+        n_tensors[type_name(t.type_id)] += 1
     fields = {"file": str(f.path), "file_bytes": f.header.file_bytes, "name": c.name,
               "architecture": c.architecture, "n_layers": c.n_layers, "n_embd": c.n_embd,
               "n_head": c.n_head, "n_head_kv": c.n_head_kv, "head_dim": c.head_dim, "n_ff": c.n_ff,
               "context_length": c.context_length, "n_vocab": c.n_vocab, "rope_base": c.rope_base,
               "rope_scaling": c.rope_scaling_type, "tied_output": c.tied_output,
+              "chat_template": "the file's" if c.chat_template else f"built-in ChatML ({c.chat_template_error})"
+              if c.chat_template_error else "built-in ChatML (the file has none)",
               "tensor_types": {k: {"tensors": n_tensors[k], "bytes": n_bytes[k]} for k in n_bytes}}
     if as_json:
         out.print_json(json.dumps(fields))

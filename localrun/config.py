@@ -3,10 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layerplan.gguf_header import GGUFHeader
+from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray
+from layerplan.gguf_values import (REQUIRED, MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, arch_float,
+                                   arch_int, arch_ints_per_layer, meta_int)
+from localrun.chat_template import check_template
 from localrun.errors import UserError
 
 SUPPORTED_ARCHITECTURES = ("llama",)   # llama.cpp writes Llama 2/3, Mistral and SmolLM2 as "llama"
+MAX_ROPE_BASE = 1e12
+MAX_ROPE_FACTOR = 1e6
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     add_bos_token: bool
-    chat_template: str | None
+    chat_template: str | None    # None: the built-in ChatML template
+    chat_template_error: str | None = None   # why the file's template was refused (one sentence)
 
     @property
     def n_rep(self) -> int:
@@ -39,50 +45,94 @@ class ModelConfig:
 
     @classmethod
     def from_header(cls, header: GGUFHeader, tensors: dict) -> "ModelConfig":
-        """tensors: name -> TensorInfo of the same file."""
+        """tensors: name -> TensorInfo of the same file. Every value the model divides by or
+        allocates from is checked here (type, range, finiteness): one UserError sentence."""
+        try:
+            return cls._from_header(header, tensors)
+        except GGUFFormatError as e:
+            raise UserError(f"{header.path.name}: {e.detail}") from None
+
+    @classmethod
+    def _from_header(cls, header: GGUFHeader, tensors: dict) -> "ModelConfig":
         md, where = header.metadata, header.path.name
         arch = md.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UserError(f"{where}: architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-        def need(key):
-            full = f"{arch}.{key}"
-            if full not in md:
-                raise UserError(f"{where}: metadata key '{full}' is missing")
-            return md[full]
-
-        n_embd, n_head = int(need("embedding_length")), int(need("attention.head_count"))
-        n_head_kv = int(md.get(f"{arch}.attention.head_count_kv", n_head))
-        if n_embd % n_head or n_head % n_head_kv:
-            raise UserError(f"{where}: {n_head} heads / {n_head_kv} KV heads do not divide embedding width {n_embd}")
-        head_dim = int(md.get(f"{arch}.attention.key_length", n_embd // n_head))
-        if "token_embd.weight" not in tensors:
+        n_layers = arch_int(header, "block_count", low=1, high=MAX_LAYERS)
+        n_embd = arch_int(header, "embedding_length", low=1, high=MAX_WIDTH)
+        n_head = _same_in_every_layer(header, "attention.head_count", n_layers)
+        n_head_kv = _same_in_every_layer(header, "attention.head_count_kv", n_layers, n_head)
+        if n_head % n_head_kv:
+            raise UserError(f"{where}: {n_head} heads are not a multiple of {n_head_kv} KV heads")
+        if f"{arch}.attention.key_length" not in md and n_embd % n_head:
+            raise UserError(f"{where}: {n_head} heads do not divide embedding width {n_embd}")
+        head_dim = arch_int(header, "attention.key_length", n_embd // n_head, low=2, high=MAX_WIDTH)
+        if arch_int(header, "attention.value_length", head_dim, low=1, high=MAX_WIDTH) != head_dim:
+            raise UserError(f"{where}: key and value heads of different widths are not supported")
+        rope_dim = arch_int(header, "rope.dimension_count", head_dim, low=2, high=MAX_WIDTH)
+        if rope_dim != head_dim:
+            raise UserError(f"{where}: RoPE over {rope_dim} of {head_dim} head dimensions is not supported "
+                            "(localrun's llama rotates whole heads)")
+        embd = tensors.get("token_embd.weight")
+        if embd is None:
             raise UserError(f"{where}: tensor 'token_embd.weight' is missing")
-        n_vocab = int(md.get(f"{arch}.vocab_size") or tensors["token_embd.weight"].shape[1])
-        scaling = str(md.get(f"{arch}.rope.scaling.type", "none"))
-        factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        if len(embd.shape) != 2:
+            raise UserError(f"{where}: tensor 'token_embd.weight' has shape {list(embd.shape)}, not two dimensions")
+        n_vocab = arch_int(header, "vocab_size", embd.shape[1], low=1, high=MAX_VOCAB)
+        tokens = md.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, (list, LongArray)) and len(tokens) != n_vocab:
+            raise UserError(f"{where}: the vocabulary lists {len(tokens):,} tokens for {n_vocab:,} embedding rows")
+        scaling = md.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear", "yarn"):
             raise UserError(f"{where}: rope scaling type '{scaling}' is not supported")
-        bos, eos = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
+        factor = 1.0
+        if scaling != "none" and md.get(f"{arch}.rope.scaling.factor") != 0:   # 0: converters' "unset"
+            factor = arch_float(header, "rope.scaling.factor", 1.0, low=0.0, high=MAX_ROPE_FACTOR)
+        template, template_error = _chat_template(md.get("tokenizer.chat_template"))
         return cls(
             architecture=arch,
             name=str(md.get("general.name", header.path.stem)),
-            n_layers=int(need("block_count")),
+            n_layers=n_layers,
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_ff=int(need("feed_forward_length")),
+            n_ff=_same_in_every_layer(header, "feed_forward_length", n_layers),
             n_vocab=n_vocab,
-            context_length=int(md.get(f"{arch}.context_length", 2048)),
-            rope_base=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_dim=int(md.get(f"{arch}.rope.dimension_count", head_dim)),
+            context_length=arch_int(header, "context_length", 2048, low=1, high=MAX_CONTEXT),
+            rope_base=arch_float(header, "rope.freq_base", 10000.0, low=1.0, high=MAX_ROPE_BASE),
+            rope_dim=rope_dim,
             rope_scaling_type=scaling,
-            rope_scaling_factor=factor if scaling != "none" else 1.0,
-            rms_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_scaling_factor=factor,
+            rms_eps=arch_float(header, "attention.layer_norm_rms_epsilon", 1e-5, low=0.0, high=1.0),
             tied_output="output.weight" not in tensors,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_id=None if eos is None else int(eos),
+            bos_token_id=_token_id(header, "tokenizer.ggml.bos_token_id", n_vocab),
+            eos_token_id=_token_id(header, "tokenizer.ggml.eos_token_id", n_vocab),
             add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", True)),
-            chat_template=md.get("tokenizer.chat_template"),
+            chat_template=template,
+            chat_template_error=template_error,
         )
+
+
+def _same_in_every_layer(header: GGUFHeader, key: str, n_layers: int, default=REQUIRED) -> int:
+    """A count stored once or per layer (as some families store head counts); localrun's llama
+    needs one value for every layer."""
+    values = arch_ints_per_layer(header, key, n_layers, default, low=1, high=MAX_HEADS if "head" in key else MAX_WIDTH)
+    if len(set(values)) > 1:
+        raise GGUFFormatError(f"'{header.architecture}.{key}' differs between layers ({', '.join(map(str, values[:8]))}"
+                              f"{', ...' if len(values) > 8 else ''}), which localrun's llama model does not support")
+    return values[0]
+
+
+def _token_id(header: GGUFHeader, key: str, n_vocab: int) -> int | None:
+    return meta_int(header, key, high=n_vocab - 1) if key in header.metadata else None
+
+
+def _chat_template(template) -> tuple[str | None, str | None]:
+    """(the template, None) or (None, why it was refused): the built-in one is used instead."""
+    if template is None:
+        return None, None
+    if not isinstance(template, str):
+        return None, "the model's chat template is not text"
+    error = check_template(template)
+    return (None, error) if error else (template, None)

@@ -1,4 +1,8 @@
-"""Open and validate a GGUF model file from its header alone (torch-free, fast)."""
+"""Open and validate a GGUF model file from its header alone (torch-free, fast).
+
+Everything the loader, the model and llama.cpp's vocabulary load later rely on is checked
+here, so that a damaged or hostile file is one UserError sentence and never a traceback, an
+allocation sized by the file, or a crash inside llama.cpp."""
 from __future__ import annotations
 
 import os
@@ -7,9 +11,12 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as QT
 
+from layerplan.ggml_types import GGML_TYPES
 from layerplan.gguf_header import GGUFFormatError, GGUFHeader, TensorInfo, read_header
+from layerplan.model_profile import profile_from_header
 from localrun.config import ModelConfig
 from localrun.errors import UserError
+from localrun.tokenizer import check_vocabulary
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
                    QT.Q4_K, QT.Q5_K, QT.Q6_K)
@@ -34,25 +41,52 @@ def open_gguf(path: str | os.PathLike) -> GGUFModelFile:
     try:
         header = read_header(path)
     except GGUFFormatError as e:
-        raise UserError(f"{path}: not a valid GGUF file ({e})") from None
+        raise UserError(f"{path} is not a valid GGUF file: {e.detail}") from None
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot be read as GGUF ({e})") from None
     tensors = {t.name: t for t in header.tensors}
-    for t in header.tensors:
-        if header.data_offset + t.offset + t.n_bytes > header.file_bytes:
-            raise UserError(f"{path}: the file is truncated (tensor '{t.name}' ends past the end of the file)")
     config = ModelConfig.from_header(header, tensors)
-    required = ["token_embd.weight", "output_norm.weight"]
-    required += [f"blk.{i}.{t}.weight" for i in range(config.n_layers) for t in LAYER_TENSORS]
-    for name in required:
-        if name not in tensors:
+    try:   # the planner's own bounds: placement profiles this same header later
+        profile_from_header(header)
+        check_vocabulary(header)
+    except GGUFFormatError as e:
+        raise UserError(f"{path}: {e.detail}") from None
+    except ValueError as e:
+        raise UserError(f"{path}: {e}") from None
+    shapes = expected_shapes(config, "rope_freqs.weight" in tensors)
+    for name, shape in shapes.items():
+        info = tensors.get(name)
+        if info is None:
             raise UserError(f"{path}: tensor '{name}' is missing")
-    for name, info in tensors.items():
-        if name in required or name == "output.weight":
-            qtype = QT(info.type_id)
-            if qtype not in SUPPORTED_TYPES:
-                raise UserError(f"{path}: tensor '{name}' has type {qtype.name}, which is not supported "
-                                f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
+        if info.shape != shape:
+            raise UserError(f"{path}: tensor '{name}' has shape {list(info.shape)}; the metadata says "
+                            f"{list(shape)}")
+        if info.type_id not in _SUPPORTED_IDS:
+            raise UserError(f"{path}: tensor '{name}' has type {type_name(info.type_id)}, which is not supported "
+                            f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
     return GGUFModelFile(path, header, config, tensors)
 
 
+_SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_TYPES)
+
+
+def type_name(type_id: int) -> str:
+    """llama.cpp's name of a tensor type ("Q4_K"); the header reader admits only known ids."""
+    return GGML_TYPES[type_id].name.upper()
+
+
+def expected_shapes(c: ModelConfig, has_rope_freqs: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor the llama model reads, with its shape in GGUF order (row length first)."""
+    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    shapes = {"token_embd.weight": (c.n_embd, c.n_vocab), "output_norm.weight": (c.n_embd,)}
+    if not c.tied_output:
+        shapes["output.weight"] = (c.n_embd, c.n_vocab)
+    if has_rope_freqs:
+        shapes["rope_freqs.weight"] = (c.rope_dim // 2,)
+    layer = {"attn_norm": (c.n_embd,), "attn_q": (c.n_embd, q), "attn_k": (c.n_embd, kv), "attn_v": (c.n_embd, kv),
+             "attn_output": (q, c.n_embd), "ffn_norm": (c.n_embd,), "ffn_gate": (c.n_embd, c.n_ff),
+             "ffn_up": (c.n_embd, c.n_ff), "ffn_down": (c.n_ff, c.n_embd)}
+    assert set(layer) == set(LAYER_TENSORS)
+    for i in range(c.n_layers):
+        shapes.update({f"blk.{i}.{name}.weight": shape for name, shape in layer.items()})
+    return shapes

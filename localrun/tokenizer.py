@@ -8,7 +8,40 @@ import os
 import sys
 from functools import cached_property
 
+from layerplan.gguf_header import GGUFFormatError, GGUFHeader, read_header
 from localrun.errors import UserError
+
+# GGUF value type ids (gguf-py's GGUFValueType): what llama.cpp reads each vocabulary array as.
+# It reads these arrays through raw pointers sized by the token count and asserts on their
+# types, so a wrong type or length would be an abort or an out-of-bounds read, not an error.
+_INT32, _FLOAT32, _STRING, _ARRAY = 5, 6, 8, 9
+_VOCAB_ARRAYS = {"tokenizer.ggml.tokens": _STRING, "tokenizer.ggml.scores": _FLOAT32,
+                 "tokenizer.ggml.token_type": _INT32, "tokenizer.ggml.merges": _STRING}
+_VOCAB_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
+
+
+def check_vocabulary(header: GGUFHeader) -> None:
+    """Raise GGUFFormatError unless the vocabulary metadata has the types and lengths llama.cpp's
+    vocab-only load assumes (it checks some of them only with asserts that abort the process)."""
+    md, types = header.metadata, header.value_types or {}
+    if "tokenizer.ggml.tokens" not in md:
+        raise GGUFFormatError("the file has no vocabulary (tokenizer.ggml.tokens)")
+    for key, item_type in _VOCAB_ARRAYS.items():
+        if key in md and types.get(key, (_ARRAY, item_type)) != (_ARRAY, item_type):
+            raise GGUFFormatError(f"'{key}' is not an array of {_TYPE_NAMES[item_type]}")
+    n_tokens = len(md["tokenizer.ggml.tokens"])
+    if not n_tokens:
+        raise GGUFFormatError("the vocabulary (tokenizer.ggml.tokens) is empty")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        if key in md and len(md[key]) != n_tokens:
+            raise GGUFFormatError(f"'{key}' has {len(md[key]):,} entries for {n_tokens:,} tokens")
+    for key in _VOCAB_STRINGS:
+        if key in md and not isinstance(md[key], str):
+            raise GGUFFormatError(f"'{key}' is not text")
+
+
+_TYPE_NAMES = {_INT32: "int32", _FLOAT32: "float32", _STRING: "strings"}
+MAX_TEXT_BYTES = 64 << 20   # llama.cpp's tokenizer counts in int32 and aborts on some huge inputs
 
 
 @contextlib.contextmanager
@@ -31,21 +64,44 @@ class Tokenizer:
             import llama_cpp
         except ImportError:
             raise UserError("llama-cpp-python is not installed; run the set-up (make setup)") from None
+        from llama_cpp._internals import LlamaModel   # pinned version (scripts/setup.sh)
         self._lib = llama_cpp
+        try:    # validate first: llama.cpp aborts on some malformed vocabularies
+            check_vocabulary(read_header(path))
+        except GGUFFormatError as e:
+            raise UserError(f"{path}: {e.detail}") from None
+        except OSError as e:
+            raise UserError(f"{path}: cannot be read ({e.strerror})") from None
         try:
             with _quiet_stderr():   # llama.cpp logs context warnings even with verbose=False
-                self._llama = llama_cpp.Llama(model_path=os.fspath(path), vocab_only=True, verbose=False)
-        except (ValueError, RuntimeError) as e:
+                # the model object alone: llama_cpp.Llama would also compile the file's chat
+                # template with an unbounded jinja2 (localrun renders templates itself, bounded)
+                params = llama_cpp.llama_model_default_params()
+                params.vocab_only = True
+                self._model = LlamaModel(path_model=os.fspath(path), params=params, verbose=False)
+        except Exception as e:   # any failure inside llama.cpp's load is about this file
             raise UserError(f"{path}: llama.cpp could not load the vocabulary ({e})") from None
-        self._vocab = self._llama._model.vocab
-        self.n_vocab = self._llama.n_vocab()
+        self._vocab = self._model.vocab
+        self.n_vocab = self._model.n_vocab()
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids as llama.cpp gives them. `add_special` adds BOS when the model asks for it;
         `parse_special` turns control-token text such as <|im_start|> into its id."""
         if not text:
             return [self.bos_id] if add_special and self.add_bos and self.bos_id is not None else []
-        return self._llama.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+        data = text.encode("utf-8")
+        if len(data) > MAX_TEXT_BYTES:
+            raise UserError(f"a text of {len(data):,} bytes is too long to tokenize (the limit is {MAX_TEXT_BYTES:,})")
+        # a token covers at least one byte; special tokens (BOS, EOS) may be added: the buffer
+        # is sized by the text, never by the file's trained context
+        n_max = len(data) + 8
+        while True:
+            ids = (self._lib.llama_token * n_max)()
+            n = self._lib.llama_tokenize(self._vocab, data, len(data), ids, n_max, add_special, parse_special)
+            if n >= 0:
+                return list(ids[:n])
+            assert -n > n_max, f"llama_tokenize asks for {-n} tokens with room for {n_max}"
+            n_max = -n
 
     def decode(self, ids: list[int], *, special: bool = False) -> str:
         return b"".join(self.piece(i, special=special) for i in ids).decode("utf-8", errors="replace")
@@ -84,12 +140,12 @@ class Tokenizer:
 
     @property
     def bos_id(self) -> int | None:
-        t = self._llama.token_bos()
+        t = self._model.token_bos()
         return None if t < 0 else t
 
     @property
     def eos_id(self) -> int | None:
-        t = self._llama.token_eos()
+        t = self._model.token_eos()
         return None if t < 0 else t
 
     @property
