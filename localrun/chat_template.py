@@ -49,6 +49,7 @@ def _compile(source: str, max_chars: int) -> jinja2.Template:
     return compile_template(_environment(max_chars), source)
 
 
+@lru_cache(maxsize=8)
 def check_template(source: str) -> str | None:
     """None if `source` is a usable chat template, else one sentence saying why it is refused."""
     try:
@@ -94,8 +95,11 @@ def validate_messages(messages) -> list[dict]:
 def render_chat(template: str | None, messages, *, bos_token: str = "", eos_token: str = "",
                 add_generation_prompt: bool = True, limits: Limits = DEFAULT_LIMITS) -> str:
     """The prompt text for `messages` (a list of {role, content} dicts); the built-in ChatML
-    template when `template` is None. Rendering is bounded by `limits`."""
+    template when `template` is None or refused by check_template. Rendering is bounded by
+    `limits`."""
     messages = validate_messages(messages)
+    if template is not None and check_template(template):
+        template = None
     try:
         compiled = _compile(template or CHATML, limits.max_chars)
         return render_bounded(compiled, limits, messages=messages, add_generation_prompt=add_generation_prompt,

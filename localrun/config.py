@@ -35,8 +35,13 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     add_bos_token: bool
-    chat_template: str | None    # None: the built-in ChatML template
-    chat_template_error: str | None = None   # why the file's template was refused (one sentence)
+    chat_template: str | None    # as the file has it; None: the built-in ChatML template
+
+    @property
+    def chat_template_error(self) -> str | None:
+        """Why the file's template is refused (one sentence; the built-in one is used then),
+        None if it is usable. Checked on first use only, so `generate` never renders it."""
+        return check_template(self.chat_template) if self.chat_template is not None else None
 
     @property
     def n_rep(self) -> int:
@@ -88,7 +93,7 @@ class ModelConfig:
         factor = 1.0
         if scaling != "none" and md.get(f"{arch}.rope.scaling.factor") != 0:   # 0: converters' "unset"
             factor = arch_float(header, "rope.scaling.factor", 1.0, low=0.0, high=MAX_ROPE_FACTOR)
-        template, template_error = _chat_template(md.get("tokenizer.chat_template"))
+        template = md.get("tokenizer.chat_template")
         return cls(
             architecture=arch,
             name=str(md.get("general.name", header.path.stem)),
@@ -109,8 +114,7 @@ class ModelConfig:
             bos_token_id=_token_id(header, "tokenizer.ggml.bos_token_id", n_vocab),
             eos_token_id=_token_id(header, "tokenizer.ggml.eos_token_id", n_vocab),
             add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", True)),
-            chat_template=template,
-            chat_template_error=template_error,
+            chat_template=template if isinstance(template, str) else None,
         )
 
 
@@ -126,13 +130,3 @@ def _same_in_every_layer(header: GGUFHeader, key: str, n_layers: int, default=RE
 
 def _token_id(header: GGUFHeader, key: str, n_vocab: int) -> int | None:
     return meta_int(header, key, high=n_vocab - 1) if key in header.metadata else None
-
-
-def _chat_template(template) -> tuple[str | None, str | None]:
-    """(the template, None) or (None, why it was refused): the built-in one is used instead."""
-    if template is None:
-        return None, None
-    if not isinstance(template, str):
-        return None, "the model's chat template is not text"
-    error = check_template(template)
-    return (None, error) if error else (template, None)

@@ -18,6 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
+from gguf.gguf_writer import GGUFValue
 
 TENSOR_TYPES: tuple[QType, ...] = (
     QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
@@ -76,6 +77,8 @@ def write_tiny_llama(
     rope_scaling: dict | None = None,
     context_length: int = 256,
     seed: int = 0,
+    chat_template: str | None = CHATML_TEMPLATE,
+    metadata: dict | None = None,
 ) -> Path:
     """Write a llama-architecture GGUF with random weights and return its path.
 
@@ -83,6 +86,11 @@ def write_tiny_llama(
     every 2-D matrix; norm weights stay F32 as in llama.cpp's files. `rope_scaling` is None
     or `{"type": "linear", "factor": F}`. K-quant types need rows that are multiples of 256
     (n_embd and n_ff), the other block types multiples of 32.
+
+    For hostile-file tests: `chat_template` None writes no template; `metadata` maps keys to
+    values that replace or add to the written ones (None deletes the key), a value being
+    `(value, GGUFValueType)` or a plain bool/int/float/str/list (typed as llama.cpp's
+    converter would: uint32, float32, string; lists by their first item).
     """
     tensor_type = _as_qtype(tensor_type)
     if rope_scaling is not None and (rope_scaling.get("type") != "linear" or "factor" not in rope_scaling):
@@ -122,7 +130,12 @@ def write_tiny_llama(
     writer.add_eos_token_id(EOS_TOKEN_ID)
     writer.add_pad_token_id(EOS_TOKEN_ID)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        writer.kv_data[0].pop(key, None)
+        if value is not None:
+            writer.kv_data[0][key] = _gguf_value(value)
 
     for name, array in weights.items():
         if array.ndim == 1:
@@ -135,6 +148,28 @@ def write_tiny_llama(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _gguf_value(value) -> GGUFValue:
+    """A metadata value for GGUFWriter: (value, type) as given, or typed from the Python value."""
+    if isinstance(value, tuple):
+        value, vtype = value
+        sub = _value_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY and value else None
+        return GGUFValue(value=value, type=vtype, sub_type=sub)
+    if isinstance(value, list):
+        return GGUFValue(value=value, type=gguf.GGUFValueType.ARRAY,
+                              sub_type=_value_type(value[0]) if value else gguf.GGUFValueType.UINT32)
+    return GGUFValue(value=value, type=_value_type(value))
+
+
+def _value_type(value) -> gguf.GGUFValueType:
+    if isinstance(value, bool):
+        return gguf.GGUFValueType.BOOL
+    if isinstance(value, int):
+        return gguf.GGUFValueType.UINT32 if 0 <= value < 2**32 else gguf.GGUFValueType.INT64
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    return gguf.GGUFValueType.STRING
 
 
 def tiny_llama_weights(
