@@ -24,6 +24,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from fidelity import Fidelity, fidelity
+
 
 @dataclass(frozen=True)
 class LlamaHyperparams:
@@ -131,35 +133,6 @@ def feed_forward(h: np.ndarray, w: dict[str, np.ndarray], layer: int) -> np.ndar
     return (gate / (1.0 + np.exp(-gate)) * up) @ w[f"blk.{layer}.ffn_down.weight"].T
 
 
-@dataclass(frozen=True)
-class LogitComparison:
-    top1_agreement: float  # fraction of positions where both argmaxes agree
-    max_abs_diff: float
-    mean_kl: float  # mean over positions of KL(softmax(expected) || softmax(actual))
-    max_top1_regret: float  # max over positions of expected[argmax expected] - expected[argmax actual]
-
-
-def compare_logits(expected: np.ndarray, actual: np.ndarray) -> LogitComparison:
-    """How closely `actual` (T, n_vocab) logits follow `expected`; both any float dtype.
-
-    `max_top1_regret` tells near-ties from real disagreements: when the argmaxes differ only
-    because two logits were within noise of each other, the regret is tiny.
-    """
-    expected = np.asarray(expected, dtype=np.float64)
-    actual = np.asarray(actual, dtype=np.float64)
-    assert expected.shape == actual.shape, (expected.shape, actual.shape)
-    log_p = expected - _logsumexp(expected)
-    log_q = actual - _logsumexp(actual)
-    top_expected, top_actual = expected.argmax(-1), actual.argmax(-1)
-    rows = np.arange(expected.shape[0])
-    return LogitComparison(
-        top1_agreement=float(np.mean(top_expected == top_actual)),
-        max_abs_diff=float(np.abs(expected - actual).max()),
-        mean_kl=float(np.mean(np.sum(np.exp(log_p) * (log_p - log_q), axis=-1))),
-        max_top1_regret=float(np.max(expected[rows, top_expected] - expected[rows, top_actual])),
-    )
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    top = x.max(axis=-1, keepdims=True)
-    return top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+# Comparisons of logits live in fidelity.py; these names stay for the tests that import them here.
+LogitComparison = Fidelity
+compare_logits = fidelity

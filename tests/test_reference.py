@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
+from fidelity import fidelity
 from reference_forward import (
     LlamaHyperparams,
     attention,
-    compare_logits,
     naive_logits,
     read_llama_gguf,
     rope_adjacent_pairs,
@@ -216,11 +216,16 @@ def test_rope_depends_on_relative_position_and_linear_scaling_divides_it():
     np.testing.assert_allclose(rope_adjacent_pairs(q, 12, 500.0, 0.25), rope_adjacent_pairs(q, 3, 500.0), atol=1e-12)
 
 
-def test_compare_logits():
-    expected = np.array([[0.0, 1.0, 0.99], [2.0, 0.0, 0.0]])
-    result = compare_logits(expected, np.array([[0.0, 0.98, 1.0], [2.0, 0.0, 0.0]]))
-    assert result.top1_agreement == 0.5 and result.max_top1_regret == pytest.approx(0.01)
-    assert result.max_abs_diff == pytest.approx(0.02) and 0 < result.mean_kl < 1e-3
+def test_fidelity_measures_by_hand():
+    expected = np.array([[0.0, 1.0, 0.99], [2.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    actual = np.array([[0.0, 0.98, 1.0], [2.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
+    f = fidelity(expected, actual, margin=0.5)
+    assert f.n_positions == 3 and f.top1 == pytest.approx(1 / 3)
+    assert f.n_confident == 2 and f.top1_confident == 0.5   # row 0 is a tie (margin 0.01)
+    assert f.worst_regret == pytest.approx(3.0) and f.max_abs_diff == pytest.approx(3.0)
+    tie = fidelity(expected[:2], actual[:2], margin=0.5)
+    assert tie.top1_confident == 1.0 and tie.worst_regret == pytest.approx(0.01) and 0 < tie.mean_kl < 1e-3
+    assert fidelity(expected, expected).mean_kl == 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,16 +255,28 @@ LLAMA_CPP_CASES = {
     **{t.name: (t.name, {}) for t in TENSOR_TYPES if t != QType.F32},
 }
 
-# (min top-1 agreement, max |logit diff| or None, max mean KL) per tensor type. llama.cpp keeps
-# the KV cache in f16, rounds activations to bf16 for BF16 weights, and to 8-bit blocks
-# (Q8_0 / Q8_1 / Q8_K) for the quantized types; in this random model (logit std ~1.6, small
-# top-1/top-2 gaps) that flips the argmax at a few near-tied positions. Measured on 96
-# positions: F32 1.0 / 0.0063 / 5e-7; BF16 1.0 / 0.046 / 5e-5; Q8_0 0.979 / - / 6e-4;
-# other quantized types 0.94-0.99 / - / 7e-4-1.4e-3, all with max_top1_regret <= 0.13.
+# Tolerances per tensor type: (max mean KL, min top-1 over positions whose reference top-2
+# margin exceeds MARGIN, max worst regret, max |logit diff| or None). llama.cpp keeps the KV
+# cache in f16, rounds activations to bf16 for BF16 weights, and to 8-bit blocks (Q8_0 / Q8_1 /
+# Q8_K) for the quantized types; in this random model (logit std ~1.6, many small top-1/top-2
+# gaps) that flips the argmax at a few near-ties, so plain top-1 is not asserted: one flip over
+# 96 positions is 1%. Measured on 96 positions, 2026-11-30, Intel Xeon (AVX-512 + VNNI, no
+# AMX), the same with the AVX2 kernels forced (llama.cpp's kernels do not change with it):
+#   F32 KL 5.1e-7, max |diff| 0.0063, top-1 1.0;  F16 KL 1.3e-6, max |diff| 0.0079, top-1 1.0;
+#   BF16 KL 5.5e-5, max |diff| 0.046, top-1 0.990 (one flip at a margin of 0.016: the former
+#   bar of 0.99 failed here and on Zen 4);  Q8_0 KL 6.4e-4, top-1 0.979, regret 0.029;
+#   other quantized types KL 6.5e-4 - 1.4e-3, top-1 0.94 - 0.99, regret <= 0.126 (Q4_K);
+#   every type: top-1 1.0 over the 65-77 positions with a margin > 0.2.
+# Zen 4 (issue 14): the same picture (quantized top-1 0.94-0.99, regret <= 0.13, BF16 0.98958).
+# Broken on purpose in the numpy reference (RoPE base x0.1 or x10, no 1/sqrt(head_dim) scale, K
+# and V swapped), on F32, BF16, Q8_0, Q4_0 and Q4_K: KL 0.63 - 2.3, top-1 (margin > 0.2) at most
+# 0.44, worst regret at least 5.1: every assertion below fails.
+MARGIN = 0.2
 LLAMA_CPP_TOLERANCES = {
-    "F32": (0.99, 0.02, 1e-5), "F16": (0.99, 0.02, 1e-5), "BF16": (0.99, 0.1, 2e-4), "Q8_0": (0.95, None, 3e-3),
+    "F32": (1e-5, 0.97, 0.05, 0.02), "F16": (1e-5, 0.97, 0.05, 0.02), "BF16": (2e-4, 0.97, 0.1, 0.1),
+    "Q8_0": (2e-3, 0.97, 0.15, None),
 }
-QUANTIZED_TOLERANCE = (0.90, None, 3e-3)
+QUANTIZED_TOLERANCE = (3e-3, 0.97, 0.3, None)
 
 
 @requires_llama_cpp
@@ -273,11 +290,11 @@ def test_reference_agrees_with_llama_cpp(tiny_gguf, case):
     llm = llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False)
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)], dtype=np.float64)
-    result = compare_logits(naive_logits(path, ids), theirs)
+    f = fidelity(naive_logits(path, ids), theirs, margin=MARGIN)
 
-    min_top1, max_abs_diff, max_kl = LLAMA_CPP_TOLERANCES.get(tensor_type, QUANTIZED_TOLERANCE)
-    assert result.top1_agreement >= min_top1, result
-    assert result.max_top1_regret < 0.25, result  # every disagreement is a near-tie
-    assert result.mean_kl < max_kl, result
+    max_kl, min_top1_confident, max_regret, max_abs_diff = LLAMA_CPP_TOLERANCES.get(tensor_type, QUANTIZED_TOLERANCE)
+    assert f.mean_kl < max_kl, f
+    assert f.n_confident >= 48 and f.top1_confident >= min_top1_confident, f
+    assert f.worst_regret < max_regret, f   # every disagreement is a near-tie
     if max_abs_diff is not None:
-        assert result.max_abs_diff < max_abs_diff, result
+        assert f.max_abs_diff < max_abs_diff, f

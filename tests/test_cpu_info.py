@@ -1,0 +1,40 @@
+"""cpu_info: what benchmarks print and kernels dispatch on, read from /proc/cpuinfo, torch-free."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localrun.cpu_info import FLAGS_THAT_MATTER, cpu_flags, cpu_info
+
+needs_proc_cpuinfo = pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo (not Linux)")
+
+
+@needs_proc_cpuinfo
+def test_flags_are_those_of_proc_cpuinfo():
+    first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    flags_line = next(line for line in first.splitlines() if line.startswith("flags"))
+    expected = set(flags_line.split(":", 1)[1].split())
+    assert cpu_flags() == expected
+    info = cpu_info(with_torch=False)
+    assert info["flags"] == {flag: flag in expected for flag in FLAGS_THAT_MATTER}
+    assert info["model"] and info["model"] in first
+
+
+def test_torch_capability_and_overrides_are_reported(monkeypatch):
+    import torch
+    monkeypatch.setenv("LOCALRUN_ISA", "avx2")
+    info = cpu_info()
+    assert info["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["localrun_isa"] == "avx2"
+    assert info["aten_cpu_capability"] == os.environ.get("ATEN_CPU_CAPABILITY")
+    assert cpu_info(with_torch=False)["torch_capability"] is None
+
+
+def test_imports_no_torch():
+    code = ("import sys, json; from localrun.cpu_info import cpu_info; "
+            "json.dumps(cpu_info(with_torch=False)); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
