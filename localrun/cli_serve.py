@@ -6,7 +6,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -36,6 +36,19 @@ def check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def access_policy(host: str, origins: list[str], hosts: list[str]):
+    """The Host/Origin policy (server.guard): loopback Host names only while bound to loopback."""
+    from localrun.server.guard import AccessPolicy
+    for origin in origins:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise UserError(f"--allow-origin takes an origin such as http://localhost:3000 or '*', got '{origin}'")
+    for name in hosts:
+        if not name or "/" in name:
+            raise UserError(f"--allow-host takes a host name such as myhost.lan or '*', got '{name}'")
+    return AccessPolicy(allowed_hosts=tuple(hosts), allowed_origins=tuple(origins),
+                        check_host=is_loopback(host))
 
 
 def _bytes(text: str | None, option: str) -> int | None:
@@ -86,7 +99,13 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
           spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram."),
           draft_max: int = typer.Option(4, "--draft-max", help="The most tokens drafted per step."),
           alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients use (default: the name given)."),
-          max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes."),
+          max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes (also "
+                                       "bounded by what the context can hold)."),
+          allow_origin: Optional[List[str]] = typer.Option(None, "--allow-origin", help="A web origin allowed to "
+                                                           "call the API from a browser (CORS), e.g. "
+                                                           "http://localhost:3000; repeatable; '*' allows any."),
+          allow_host: Optional[List[str]] = typer.Option(None, "--allow-host", help="A Host name accepted besides "
+                                                         "loopback ones (DNS-rebinding guard); repeatable; '*' any."),
           log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error.")):
     """Serve the OpenAI API (chat, completions, models), /health and /metrics, batching all requests."""
     import uvicorn
@@ -95,11 +114,16 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
 
     from localrun.api import LLM
     from localrun.server.app import ServerConfig, create_app
+    from localrun.server.timeouts import uvicorn_options
 
     if not 0 < port < 65536:
         raise UserError(f"--port must be between 1 and 65535, got {port}")
     if log_level not in ("debug", "info", "warning", "error"):
         raise UserError(f"--log-level must be debug, info, warning or error, got '{log_level}'")
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key must not be empty (an empty key would let every request in); "
+                        "give a key or leave the option out")
+    access = access_policy(host, allow_origin or [], allow_host or [])
     if not is_loopback(host) and not api_key:
         err.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the model")
@@ -120,7 +144,7 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     given = model or DEFAULT_MODEL
     name = alias or (given if not given.endswith(".gguf") else llm.model_path.stem)
     aliases = frozenset({llm.model_path.name, llm.model_path.stem, str(llm.model_path)} - {name})
-    app = create_app(llm, ServerConfig(name, aliases, api_key, max_body))
+    app = create_app(llm, ServerConfig(name, aliases, api_key, max_body, access=access))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("localrun").setLevel(log_level.upper())
     stats = llm.engine.stats()
@@ -133,6 +157,6 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
         signal.signal(sig, lambda *_: sys.exit(0))
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                    access_log=log_level == "debug")
+                    access_log=log_level == "debug", **uvicorn_options())
     finally:
         llm.close()       # pending disk-cache writes

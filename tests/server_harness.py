@@ -1,11 +1,13 @@
 """Run a localrun server app on loopback in a background thread (real HTTP, real SSE)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import uvicorn
@@ -17,25 +19,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Served:
+    url: str
+    loop: asyncio.AbstractEventLoop      # the server's event loop (its own thread)
+
+    def num_tasks(self) -> int:
+        """Tasks pending on the server's loop, not counting the one asking."""
+        async def count() -> int:
+            return len(asyncio.all_tasks()) - 1
+        return asyncio.run_coroutine_threadsafe(count(), self.loop).result(10)
+
+    def task_names(self) -> list[str]:
+        async def names() -> list[str]:
+            return [repr(t.get_coro()) for t in asyncio.all_tasks()]
+        return asyncio.run_coroutine_threadsafe(names(), self.loop).result(10)
+
+
 @contextlib.contextmanager
-def running(app, port: int | None = None):
-    """Yield the base URL of `app` served by uvicorn on 127.0.0.1; stop it afterwards."""
+def serving(app, port: int | None = None, **options):
+    """Serve `app` with uvicorn on 127.0.0.1 in a thread with its own event loop; yield a
+    Served; stop it afterwards. options: more uvicorn.Config keywords."""
     port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
+                                           timeout_graceful_shutdown=2, **options))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield url
+        yield Served(f"http://127.0.0.1:{port}", loop)
     finally:
         server.should_exit = True
         thread.join(15)
+        if not thread.is_alive():
+            loop.close()
+
+
+@contextlib.contextmanager
+def running(app, port: int | None = None, **options):
+    """Yield the base URL of `app` served by uvicorn on 127.0.0.1; stop it afterwards."""
+    with serving(app, port, **options) as served:
+        yield served.url
 
 
 def sse_payloads(lines) -> list:

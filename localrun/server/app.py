@@ -1,7 +1,10 @@
 """`localrun serve`: the OpenAI-compatible HTTP API over one continuously batched engine.
 
-Handlers validate and tokenize on the event loop, then hand the request to the engine
-thread (`EngineLoop`) and relay its events: as SSE chunks (sse-starlette) for streams, as one
+The event loop only moves bytes: a request passes the access policy (guard: Host, Origin,
+Content-Type), its body is read within a size and time limit (json_body), and everything
+heavier (JSON decoding, validation, chat template, tokenization) runs in one worker thread
+(`prepare`). The request then goes to the engine thread (`EngineLoop`) and the handler relays
+its events: as SSE chunks (sse-starlette) for streams, as one
 JSON body otherwise. Every response carries the request's `timings` (queue, prefill, TTFT,
 decode speed, cached prompt tokens); streams carry them in the chunk with the finish reason.
 A client that goes away aborts its request, which frees its KV blocks at the next step.
@@ -25,14 +28,21 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localrun.errors import UserError
-from localrun.sampling import SamplingParams
+from localrun.sampling import InvalidSamplingParam, SamplingParams
 from localrun.server.engine_loop import EngineLoop, Event, ServerRequest
+from localrun.server.guard import AccessPolicy, RequestGuard
+from localrun.server.json_body import ClientGone, decode, read_body
 from localrun.server.metrics import ServerMetrics
 from localrun.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 
 log = logging.getLogger("localrun.server")
 
 MAX_BODY_BYTES = 8 * 2**20
+BODY_TIMEOUT_S = 30.0
+# A body cannot hold more prompt than this many bytes per token of the context: a token is at
+# most the longest piece of the vocabulary, and JSON spells a byte in at most 6 (\u0041).
+JSON_BYTES_PER_TEXT_BYTE = 6
+JSON_OVERHEAD_BYTES = 64 * 1024         # the body's keys, other fields, message framing
 
 
 @dataclass
@@ -41,6 +51,12 @@ class ServerConfig:
     aliases: frozenset[str] = frozenset()    # other names a request may use for the model
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
+    access: AccessPolicy = AccessPolicy()
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise UserError("the API key must not be empty; give a key or none")
 
 
 def timings_ms(t: dict) -> dict:
@@ -63,15 +79,19 @@ class Server:
         self.metrics = ServerMetrics(engine)
         self.loop = EngineLoop(engine, llm.tokenizer, observer=self.metrics)
         self.created = int(time.time())
+        self.body_limit = min(config.max_body_bytes, context_body_bytes(llm))
+        self.worker = anyio.CapacityLimiter(1)     # prompt preparation, one request at a time
 
     # --- checks ------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
+        """Keys compare as bytes: the header's raw bytes (HTTP carries UTF-8 keys as they are)
+        against the key's UTF-8."""
         key = self.config.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), key.encode()):
+        given = request.headers.get("authorization", "").encode("latin-1")   # the raw bytes back
+        token = given[7:] if given[:7].lower() == b"bearer " else b""
+        if not secrets.compare_digest(token, key.encode("utf-8")):
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
 
@@ -82,17 +102,22 @@ class Server:
                             f"'{self.config.model_name}'", code="model_not_found", param="model")
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_body(request, self.body_limit, self.config.body_timeout_s)
+
+    async def prepare(self, raw: bytes, chat: bool) -> tuple:
+        """Off the event loop: (body, model name, prompt ids, dropped messages, SamplingParams)."""
+        return await anyio.to_thread.run_sync(self._prepare, raw, chat, limiter=self.worker)
+
+    def _prepare(self, raw: bytes, chat: bool) -> tuple:
+        body = parse(ChatCompletionRequest if chat else CompletionRequest, raw, decode(raw))
+        body.refuse_unsupported()
+        name = self.check_model(body.model)
+        check_sampling(body)       # before the costly part
+        if chat:
+            prompt_ids, dropped = self.chat_prompt(body)
+        else:
+            prompt_ids, dropped = self.completion_prompt(body), 0
+        return body, name, prompt_ids, dropped, self.sampling_params(body, prompt_ids)
 
     def sampling_params(self, body, prompt_ids: list[int]) -> SamplingParams:
         n_ctx, n_prompt = self.llm.n_ctx, len(prompt_ids)
@@ -107,10 +132,7 @@ class Server:
             raise APIError(400, f"max_tokens is {max_tokens} but the context of {n_ctx} leaves room for "
                                 f"{room} tokens after the {n_prompt}-token prompt",
                            code="context_length_exceeded", param="max_tokens")
-        try:
-            return SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
-        except UserError as e:
-            raise APIError(400, str(e)) from None
+        return SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
 
     # --- prompts -------------------------------------------------------------------------
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
@@ -149,6 +171,21 @@ class Server:
                  (t["queue_s"] or 0) * 1000, (t["ttft_s"] or 0) * 1000, t["decode_tok_s"] or 0.0)
 
 
+def context_body_bytes(llm) -> int:
+    """The largest body whose prompt could fit the context (see JSON_BYTES_PER_TEXT_BYTE)."""
+    tokenizer = llm.tokenizer
+    longest = max(len(tokenizer.piece(i, special=True)) for i in range(llm.n_vocab))
+    return llm.n_ctx * max(longest, 1) * JSON_BYTES_PER_TEXT_BYTE + JSON_OVERHEAD_BYTES
+
+
+def check_sampling(body) -> None:
+    """The sampling fields' ranges (SamplingParams's rule), as a 400 naming the field."""
+    try:
+        SamplingParams(**body.sampling_kwargs())
+    except InvalidSamplingParam as e:
+        raise APIError(400, str(e), param=e.field) from None
+
+
 def sse(events, shutdown: anyio.Event) -> EventSourceResponse:
     return EventSourceResponse(events, ping=15, shutdown_event=shutdown, shutdown_grace_period=2)
 
@@ -165,28 +202,39 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
+async def next_event(sreq: ServerRequest, other: asyncio.Future) -> Event | None:
+    """The request's next event, or None when `other` finishes first. The getter task never
+    outlives the call (cancelled here, even when the caller is cancelled)."""
+    get = asyncio.ensure_future(sreq.events.get())
+    try:
+        await asyncio.wait({get, other}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not get.done():
+            get.cancel()
+    return get.result() if get.done() and not get.cancelled() else None
+
+
 async def collect(server: Server, http_request: Request, request: ServerRequest) -> tuple[str, Event]:
     """Wait for a whole (non-streamed) completion; abort it if the client goes away."""
     disconnect = asyncio.ensure_future(wait_for_disconnect(http_request))
-    pieces = []
+    pieces, finished = [], False
     try:
         while True:
-            get = asyncio.ensure_future(request.events.get())
-            await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                server.loop.abort(request.request_id)
-                server.log_request(request, None, "client-disconnected")
-                raise asyncio.CancelledError
-            event = get.result()
+            event = await next_event(request, disconnect)
+            if event is None:
+                raise ClientGone(f"{request.request_id} client-disconnected prompt={len(request.prompt_ids)}")
             if event.kind == "text":
                 pieces.append(event.text)
             elif event.kind == "error":
+                finished = True
                 raise APIError(503, event.message, type="server_error", code="engine_error")
             else:
+                finished = True
                 return "".join(pieces), event
     finally:
         disconnect.cancel()
+        if not finished:
+            server.loop.abort(request.request_id)
 
 
 def create_app(llm, config: ServerConfig) -> FastAPI:
@@ -200,12 +248,23 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         finally:
             server.loop.stop()
 
-    app = FastAPI(title="localrun", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /docs and /redoc are off; /openapi.json is a route below that asks for the API key
+    app = FastAPI(title="localrun", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(RequestGuard, policy=config.access)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(InvalidSamplingParam)
+    async def bad_sampling(request: Request, e: InvalidSamplingParam):
+        return JSONResponse(APIError(400, str(e), param=e.field).body(), status_code=400)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone):
+        log.info("%s", e)
+        return Response(status_code=499)     # never delivered: nobody is listening
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):   # unknown route, wrong method
@@ -225,6 +284,11 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
                 "kv_blocks_used": server.loop.engine.block_manager.num_used_blocks}
         return JSONResponse(body, status_code=200 if alive else 503)
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request):
+        server.check_auth(request)
+        return JSONResponse(app.openapi())
+
     @app.get("/metrics")
     async def metrics(request: Request):
         server.check_auth(request)
@@ -241,11 +305,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         server.check_auth(request)
-        body = parse(ChatCompletionRequest, await server.read_body(request))
-        body.refuse_unsupported()
-        name = server.check_model(body.model)
-        prompt_ids, dropped = server.chat_prompt(body)
-        params = server.sampling_params(body, prompt_ids)
+        body, name, prompt_ids, dropped, params = await server.prepare(await server.read_body(request), chat=True)
         sreq = server.submit(prompt_ids, params, "chatcmpl")
         if dropped:
             log.info("%s: dropped the %d oldest messages to fit the context of %d", sreq.request_id, dropped,
@@ -256,11 +316,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         server.check_auth(request)
-        body = parse(CompletionRequest, await server.read_body(request))
-        body.refuse_unsupported()
-        name = server.check_model(body.model)
-        prompt_ids = server.completion_prompt(body)
-        params = server.sampling_params(body, prompt_ids)
+        body, name, prompt_ids, _, params = await server.prepare(await server.read_body(request), chat=False)
         sreq = server.submit(prompt_ids, params, "cmpl")
         return await respond(server, request, body, sreq, name, chat=False, extra_timings={})
 
@@ -320,15 +376,12 @@ async def stream_events(server: Server, sreq: ServerRequest, body, first: dict |
         if first is not None:
             yield first
         while True:
-            get = asyncio.ensure_future(sreq.events.get())
-            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
+            event = await next_event(sreq, stop)
+            if event is None:
                 yield {"data": json.dumps(APIError(503, "the server is shutting down", type="server_error",
                                                    code="server_shutdown").body())}
                 yield {"data": "[DONE]"}
                 return
-            event = get.result()
             if event.kind == "text":
                 yield text_chunk(event.text)
             elif event.kind == "error":

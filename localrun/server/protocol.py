@@ -1,14 +1,16 @@
 """The OpenAI request bodies we accept, and the error objects we answer with.
 
-Bodies are validated with pydantic; any failure becomes an `APIError` whose `body()` is the
-OpenAI error object `{"error": {"message", "type", "param", "code"}}`. Fields the OpenAI API
-defines but we cannot honour (n > 1, logprobs, penalties other than llama.cpp's repeat
-penalty) are refused with a 400 rather than silently ignored; fields we don't know are
-ignored, as OpenAI-compatible servers do, so that clients sending e.g. `user` keep working.
+Bodies are decoded within limits (json_body), checked for fields we cannot honour, then
+validated with pydantic; any failure becomes an `APIError` whose `body()` is the OpenAI error
+object `{"error": {"message", "type", "param", "code"}}`. Every OpenAI field we do not
+implement (n > 1, logprobs, logit_bias, tools, response_format, penalties other than
+llama.cpp's repeat penalty, ...) is refused with a 400 naming it when it asks for something,
+rather than silently ignored; a field at its no-op value (n: 1, tools: []) passes. Fields no
+one defines are ignored, as OpenAI-compatible servers do. Sampling ranges are checked by
+SamplingParams, the same rule as the Python API's.
 """
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -56,32 +58,22 @@ class _Sampling(_Body):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = None
+    repeat_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
     ignore_eos: bool = False
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n > 1 is not supported; send one request per completion", param="n")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported; use repeat_penalty (llama.cpp's rule)",
-                               param=name)
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4:
             raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop sequences must not be empty", param="stop")
 
     def sampling_kwargs(self) -> dict:
         """The SamplingParams fields the client set (others keep localrun's defaults)."""
@@ -99,7 +91,7 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=1)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -129,14 +121,58 @@ class CompletionRequest(_Sampling):
         return p
 
 
-def parse(model_cls: type[_Body], raw: bytes) -> _Body:
-    """A validated request body, or an APIError with one clear sentence."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
+def _no_op(*values):
+    return lambda v: v in (None, *values)
+
+
+# OpenAI (and llama.cpp) fields we do not implement, with the values that ask for nothing
+UNSUPPORTED = {
+    "n": (_no_op(1), "n > 1 is not supported; send one request per completion"),
+    "best_of": (_no_op(1), "best_of is not supported; send one request per completion"),
+    "logprobs": (_no_op(False, 0), "logprobs are not supported"),
+    "top_logprobs": (_no_op(0), "top_logprobs are not supported"),
+    "logit_bias": (_no_op({}), "logit_bias is not supported"),
+    "tools": (_no_op([]), "tools (function calling) are not supported"),
+    "tool_choice": (_no_op("none"), "tool_choice is not supported; this server does not call tools"),
+    "functions": (_no_op([]), "functions (function calling) are not supported"),
+    "function_call": (_no_op("none"), "function_call is not supported; this server does not call tools"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "response_format other than text (JSON mode, schemas) is not supported"),
+    "audio": (_no_op(), "audio output is not supported"),
+    "modalities": (_no_op(["text"]), "modalities other than text are not supported"),
+    "prediction": (_no_op(), "predicted outputs are not supported"),
+    "web_search_options": (_no_op(), "web search is not supported"),
+    "reasoning_effort": (_no_op(), "reasoning_effort is not supported"),
+    "echo": (_no_op(False), "echo is not supported"),
+    "suffix": (_no_op(""), "suffix (fill-in-the-middle) is not supported"),
+    "grammar": (_no_op(""), "grammar (constrained output) is not supported"),
+    "json_schema": (_no_op(), "json_schema (constrained output) is not supported"),
+    "mirostat": (_no_op(0), "mirostat sampling is not supported"),
+    "typical_p": (_no_op(1, 1.0), "typical_p sampling is not supported"),
+}
+PENALTIES = ("presence_penalty", "frequency_penalty")     # OpenAI's range: [-2, 2]
+
+
+def refuse_unsupported(data: dict) -> None:
+    """A 400 naming the first field that asks for something this server does not do."""
+    for name in PENALTIES:
+        value = data.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+            raise APIError(400, f"{name} must be a number in [-2, 2], got {value!r}", param=name)
+        if value != 0:
+            raise APIError(400, f"{name} is not supported; use repeat_penalty (llama.cpp's rule)",
+                           param=name)
+    for name, (is_no_op, message) in UNSUPPORTED.items():
+        if name in data and not is_no_op(data[name]):
+            raise APIError(400, message, param=name, code="unsupported_parameter")
+
+
+def parse(model_cls: type[_Body], raw: bytes, data: dict) -> _Body:
+    """A validated request body (raw, already decoded to data by json_body.decode), or an
+    APIError with one clear sentence."""
+    refuse_unsupported(data)
     try:
         return model_cls.model_validate_json(raw, strict=True)   # strict: "1" is not a number
     except ValidationError as e:

@@ -1,0 +1,350 @@
+"""`localrun serve` against a hostile client (issues 21 and 22), each case from its reproduction:
+Host/Origin policy and CORS, JSON-only bodies, JSON limits, refused fields and sampling
+ranges, the API key as bytes, slow clients, clean aborts without leaked tasks, and one
+request's sampling fault that must not touch the others."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import localrun.engine.model_runner as model_runner
+from localrun.api import LLM
+from localrun.server.app import ServerConfig, create_app
+from localrun.server.guard import AccessPolicy
+from localrun.server.json_body import MAX_JSON_DEPTH, MAX_NUMBER_CHARS
+from localrun.server.timeouts import uvicorn_options
+from server_harness import health, running, serving, sse_payloads, wait_until
+
+MODEL = "tiny"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gguf):
+    return LLM(tiny_gguf("F32", context_length=1024), dtype="float32", n_threads=1, n_parallel=8)
+
+
+@pytest.fixture(scope="module")
+def served(llm):
+    with serving(create_app(llm, ServerConfig(MODEL)), **uvicorn_options()) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served.url
+
+
+def chat(content="hello there", **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **kw}
+
+
+def post(url, body, path=CHAT, headers=None, **kw):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{url}{path}", content=content,
+                      headers={"content-type": "application/json", **(headers or {})}, timeout=30, **kw)
+
+
+def error_of(r) -> dict:
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and "Traceback" not in error["message"]
+    return error
+
+
+# --- Host and Origin (DNS rebinding, cross-origin pages) -----------------------------------------
+@pytest.mark.parametrize("host,status", [("evil.example:8080", 403), ("localhost.evil.com", 403),
+                                         ("localhost:8080", 200), ("127.0.0.1", 200), ("127.3.4.5:1", 200),
+                                         ("[::1]:8080", 200), ("LOCALHOST.", 200)])
+def test_only_loopback_host_names_are_accepted(url, host, status):
+    r = post(url, chat(), headers={"host": host})
+    assert r.status_code == status, r.text
+    if status == 403:
+        assert error_of(r)["code"] == "host_not_allowed" and "--allow-host" in error_of(r)["message"]
+
+
+def test_cross_origin_simple_post_is_refused_before_it_runs(url, llm):
+    before = llm.engine.stats()["num_finished"]
+    r = httpx.post(f"{url}{CHAT}", content=json.dumps(chat()), timeout=30,
+                   headers={"origin": "https://evil.example", "content-type": "text/plain"})
+    assert r.status_code == 403 and error_of(r)["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in r.headers
+    assert llm.engine.stats()["num_finished"] == before            # nothing was generated
+
+
+def test_same_origin_and_no_origin_are_accepted(url):
+    assert post(url, chat(), headers={"origin": url}).status_code == 200
+    assert post(url, chat()).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_non_json_bodies_are_415(url, content_type):
+    r = post(url, chat(), headers={"content-type": content_type})
+    assert r.status_code == 415 and error_of(r)["code"] == "unsupported_media_type"
+
+
+def test_allowed_origins_get_cors_and_preflight(llm):
+    policy = AccessPolicy(allowed_origins=("http://localhost:3000",), allowed_hosts=("myhost.lan",))
+    with running(create_app(llm, ServerConfig(MODEL, access=policy))) as url:
+        pre = httpx.options(f"{url}{CHAT}", headers={"origin": "http://localhost:3000",
+                                                      "access-control-request-method": "POST",
+                                                      "access-control-request-headers": "authorization, content-type"})
+        assert pre.status_code == 204
+        assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert "authorization" in pre.headers["access-control-allow-headers"]
+        r = post(url, chat(), headers={"origin": "http://localhost:3000"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = httpx.options(f"{url}{CHAT}", headers={"origin": "http://localhost:4000",
+                                                        "access-control-request-method": "POST"})
+        assert other.status_code == 403
+        assert post(url, chat(), headers={"host": "myhost.lan:8080"}).status_code == 200
+    with running(create_app(llm, ServerConfig(MODEL, access=AccessPolicy(allowed_origins=("*",))))) as url:
+        r = post(url, chat(), headers={"origin": "https://anything.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_openapi_follows_the_api_key_and_docs_are_off(llm):
+    with running(create_app(llm, ServerConfig(MODEL, api_key="k1"))) as url:
+        assert httpx.get(f"{url}/openapi.json").status_code == 401
+        assert httpx.get(f"{url}/openapi.json", headers={"authorization": "Bearer k1"}).status_code == 200
+        assert httpx.get(f"{url}/docs").status_code == 404 and httpx.get(f"{url}/redoc").status_code == 404
+
+
+# --- API key ----------------------------------------------------------------------------------
+def test_api_keys_compare_as_utf8_bytes(llm):
+    key = "clé-🔑-ключ"
+    with running(create_app(llm, ServerConfig(MODEL, api_key=key))) as url:
+        good = {"authorization": b"Bearer " + key.encode("utf-8")}
+        assert httpx.get(f"{url}/v1/models", headers=good).status_code == 200
+        assert httpx.get(f"{url}/v1/models", headers={"authorization": b"bearer " + key.encode()}).status_code == 200
+        wrong = {"authorization": b"Bearer " + key.encode("utf-8")[:-1]}
+        assert httpx.get(f"{url}/v1/models", headers=wrong).status_code == 401
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+
+
+def test_an_empty_api_key_is_a_user_error_at_start(tiny_gguf):
+    for key in ("", "  "):
+        r = subprocess.run([sys.executable, "-m", "localrun.cli", "serve", str(tiny_gguf("F32")), "--api-key", key,
+                            "--port", "1"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "--api-key must not be empty" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- JSON limits, refused fields, sampling ranges ----------------------------------------------
+HOSTILE = [
+    ("deep nesting", b'{"messages": ' + b"[" * 60_000 + b"]" * 60_000 + b"}", 400, "json_too_deep"),
+    ("nesting past the limit", json.dumps(chat(user=json.loads("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)))).encode(),
+     400, "json_too_deep"),
+    ("5000-digit integer", b'{"messages": [{"role": "user", "content": "x"}], "seed": ' + b"9" * 5000 + b"}", 400,
+     "number_too_long"),
+    ("long float", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 0.' + b"1" * 100 + b"}", 400,
+     "number_too_long"),
+    ("NaN", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None),
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    ("top_p 0", chat(top_p=0), 400, "top_p"),
+    ("top_p 5e-324", chat(top_p=5e-324), 200, None),
+    ("repeat_penalty 5e-324", chat(repeat_penalty=5e-324), 400, "repeat_penalty"),
+    ("temperature 2.5", chat(temperature=2.5), 400, "temperature"),
+    ("min_p 1.5", chat(min_p=1.5), 400, "min_p"),
+    ("top_k -1", chat(top_k=-1), 400, "top_k"),
+    ("seed 10**30", chat(seed=10**30, temperature=1), 200, None),
+    ("seed -2**70", chat(seed=-2**70, temperature=1), 200, None),
+    ("max_tokens 0", chat(max_tokens=0), 400, "max_tokens"),
+    ("presence_penalty 3", chat(presence_penalty=3), 400, "presence_penalty"),
+    ("presence_penalty 0.5", chat(presence_penalty=0.5), 400, "presence_penalty"),
+    ("frequency_penalty 0", chat(frequency_penalty=0), 200, None),
+    ("logit_bias", chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("best_of 2", chat(best_of=2), 400, "best_of"),
+    ("n 2", chat(n=2), 400, "n"),
+    ("n 1", chat(n=1), 200, None),
+    ("logprobs", chat(logprobs=True), 400, "logprobs"),
+    ("top_logprobs", chat(top_logprobs=3), 400, "top_logprobs"),
+    ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tools empty", chat(tools=[]), 200, None),
+    ("tool_choice", chat(tool_choice="auto"), 400, "tool_choice"),
+    ("response_format json", chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format text", chat(response_format={"type": "text"}), 200, None),
+    ("grammar", chat(grammar="root ::= x"), 400, "grammar"),
+    ("empty stop", chat(stop=[""]), 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,named", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_get_a_4xx_naming_the_problem(url, name, body, status, named):
+    r = post(url, body)
+    assert r.status_code == status, r.text
+    if status != 200 and named is not None:
+        error = error_of(r)
+        assert named in (error["param"], error["code"]), error
+    assert health(url)["status"] == "ok"
+
+
+def test_a_body_the_context_cannot_hold_is_refused_before_it_is_read(url, llm):
+    # 1024 tokens of at most 13 bytes each, 6 JSON bytes per text byte, 64 KiB of framing: 145,408 bytes
+    body = json.dumps(chat("word " * 40_000)).encode()
+    assert len(body) > 145_408
+    r = post(url, body)
+    assert r.status_code == 413 and error_of(r)["code"] == "body_too_large"
+    assert "145408" in error_of(r)["message"]
+
+
+def test_malformed_json_never_gives_a_500(url):
+    for raw in (b"", b"{", b'{"messages": [', b"\x00" * 10, b"[]" * 1000, b'{"a": 1e999999}',
+                b'{"messages": "x"}', b'{"messages": [{"role": "user", "content": {"a": 1}}]}'):
+        r = post(url, raw)
+        assert 400 <= r.status_code < 500, (raw[:40], r.text)
+
+
+# --- slow clients -----------------------------------------------------------------------------
+def raw_connection(url: str) -> socket.socket:
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes the connection within `seconds` (reading and dropping any answer)."""
+    sock.settimeout(seconds)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def test_slow_headers_slow_bodies_and_idle_connections_are_closed(llm):
+    config = ServerConfig(MODEL, body_timeout_s=0.5)
+    with running(create_app(llm, config), **uvicorn_options(header_timeout_s=0.5, keep_alive_s=0.5)) as url:
+        slowloris = raw_connection(url)
+        slowloris.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
+        time.sleep(0.2)
+        slowloris.sendall(b"X-a: 1\r\n")                 # still dribbling headers
+        assert closed_within(slowloris, 3)
+
+        slow_body = raw_connection(url)
+        slow_body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"mess")
+        slow_body.settimeout(5)
+        answer = b""
+        while chunk := slow_body.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in answer
+
+        idle = raw_connection(url)
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert closed_within(idle, 3)                     # answered, then closed after 0.5 s idle
+        assert health(url)["status"] == "ok"
+
+
+# --- clean aborts: no leaked tasks, no tracebacks ----------------------------------------------
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+async def _leave_after_first_chunk(url: str, i: int) -> None:
+    body = {**chat(f"storm {i}"), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", f"{url}{CHAT}", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    return
+
+
+async def _leave_mid_body(url: str) -> None:
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 5000\r\n\r\n{\"messages\": [")
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.close()
+
+
+async def _leave_before_answer(url: str) -> None:
+    async with httpx.AsyncClient(timeout=0.2) as client:
+        try:
+            await client.post(f"{url}{CHAT}", json={**chat(), "max_tokens": 300, "ignore_eos": True})
+        except httpx.TimeoutException:
+            pass
+
+
+def test_a_disconnect_storm_leaks_no_task_and_logs_no_traceback(served):
+    url = served.url
+    handler = Records()
+    for name in ("localrun", "uvicorn", "asyncio", "sse_starlette"):
+        logging.getLogger(name).addHandler(handler)
+    level = logging.getLogger("localrun").level
+    logging.getLogger("localrun").setLevel(logging.INFO)
+    try:
+        r = post(url, chat(stream=True))           # sse-starlette's one shutdown watcher starts here
+        assert r.status_code == 200 and r.text.rstrip().endswith("[DONE]")
+        before = served.num_tasks()
+
+        async def storm():
+            await asyncio.gather(*[_leave_after_first_chunk(url, i) for i in range(24)],
+                                 *[_leave_before_answer(url) for _ in range(8)],
+                                 *[_leave_mid_body(url) for _ in range(8)])
+
+        asyncio.run(storm())
+        assert wait_until(lambda: health(url)["requests_in_flight"] == 0 and health(url)["kv_blocks_used"] == 0)
+        assert wait_until(lambda: served.num_tasks() <= before, timeout=10), served.task_names()
+    finally:
+        for name in ("localrun", "uvicorn", "asyncio", "sse_starlette"):
+            logging.getLogger(name).removeHandler(handler)
+        logging.getLogger("localrun").setLevel(level)
+    bad = [r for r in handler.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not bad, [r.getMessage() for r in bad]
+    messages = [r.getMessage() for r in handler.records]
+    # one line per client that left: mid-body, waiting for a whole answer, mid-stream
+    assert sum("disconnected while sending its body" in m for m in messages) == 8, messages
+    assert sum(" client-disconnected prompt=" in m for m in messages) == 8, messages
+    assert sum(" aborted prompt=" in m for m in messages) == 24, messages
+
+
+# --- one request's sampling fault ----------------------------------------------------------------
+def test_a_sampling_fault_fails_only_its_own_request(url, monkeypatch):
+    real = model_runner.sample
+
+    def sample(logits, params, generator, recent=()):
+        if params.seed == 4242:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, params, generator, recent)
+
+    monkeypatch.setattr(model_runner, "sample", sample)
+
+    async def stream(client, body):
+        async with client.stream("POST", f"{url}{CHAT}", json={**body, "stream": True}) as r:
+            return r.status_code, sse_payloads([line async for line in r.aiter_lines()])
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            victims = [stream(client, chat(f"victim {i}", max_tokens=24, ignore_eos=True, temperature=0))
+                       for i in range(6)]
+            poison = client.post(f"{url}{CHAT}", json=chat("poison", seed=4242, temperature=1))
+            return await asyncio.gather(poison, *victims)
+
+    poison, *victims = asyncio.run(main())
+    assert poison.status_code == 503 and "this request failed: RuntimeError" in error_of(poison)["message"]
+    for status, events in victims:
+        assert status == 200 and events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["timings"]["generated_tokens"] == 24
+    assert wait_until(lambda: health(url)["kv_blocks_used"] == 0)
