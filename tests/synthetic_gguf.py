@@ -13,6 +13,7 @@ ggml's `block_q4_K` / `block_q5_K` / `block_q6_K` structs do.
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 
 import gguf
@@ -305,6 +306,66 @@ def _as_qtype(tensor_type: QType | str) -> QType:
     if qtype not in TENSOR_TYPES:
         raise ValueError(f"unsupported tensor type {qtype.name}; choose one of {[t.name for t in TENSOR_TYPES]}")
     return qtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Header fields
+
+
+def header_fields(data: bytes) -> list[tuple[int, int, str, str]]:
+    """(offset, size, kind, owner) of every length, count, type and scalar field of a valid GGUF
+    header; owner is the metadata key or tensor name the field belongs to ("" for the counts).
+    For tests that set one field to a hostile value."""
+    fields, pos = [(8, 8, "tensor count", ""), (16, 8, "metadata count", "")], 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+
+    def string(kind, owner):
+        nonlocal pos
+        fields.append((pos, 8, kind, owner))
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+
+    def value(type_id, owner):
+        nonlocal pos
+        if type_id == 8:
+            string("string length", owner)
+        elif type_id == 9:
+            item_type, n = struct.unpack_from("<IQ", data, pos)
+            fields.extend([(pos, 4, "array type", owner), (pos + 4, 8, "array count", owner)])
+            pos += 12
+            for _ in range(n):
+                value(item_type, owner)
+        else:
+            size = struct.calcsize("<" + _SCALARS[type_id])
+            fields.append((pos, size, "scalar", owner))
+            pos += size
+
+    for _ in range(n_kv):
+        n = struct.unpack_from("<Q", data, pos)[0]
+        key = data[pos + 8:pos + 8 + n].decode()
+        string("key length", key)
+        fields.append((pos, 4, "value type", key))
+        pos += 4
+        value(struct.unpack_from("<I", data, pos - 4)[0], key)
+    for _ in range(n_tensors):
+        n = struct.unpack_from("<Q", data, pos)[0]
+        name = data[pos + 8:pos + 8 + n].decode()
+        string("tensor name length", name)
+        n_dims = struct.unpack_from("<I", data, pos)[0]
+        fields.append((pos, 4, "n_dims", name))
+        fields.extend((pos + 4 + 8 * d, 8, "dimension", name) for d in range(n_dims))
+        pos += 4 + 8 * n_dims
+        fields.extend([(pos, 4, "tensor type", name), (pos + 4, 8, "tensor offset", name)])
+        pos += 12
+    return fields
+
+
+def set_field(data: bytes, kind: str, owner: str, value: int) -> bytes:
+    """data with the first `kind` field of `owner` (see header_fields) set to `value`."""
+    offset, size = next((o, s) for o, s, k, w in header_fields(data) if k == kind and w == owner)
+    return data[:offset] + (value % 2**(8 * size)).to_bytes(size, "little") + data[offset + size:]
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 # ---------------------------------------------------------------------------------------------

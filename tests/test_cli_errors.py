@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from synthetic_gguf import write_tiny_llama
+from synthetic_gguf import set_field, write_tiny_llama
 
 
 def run_cli(*args):
@@ -29,7 +29,31 @@ def bad_files(tmp_path_factory):
     (root / "empty.gguf").write_bytes(b"")
     arch = data.replace(b"llama", b"mamba", 1)           # general.architecture value
     (root / "arch.gguf").write_bytes(arch)
+    for name, hostile in hostile_headers(data).items():
+        (root / f"{name}.gguf").write_bytes(hostile)
     return root
+
+
+def hostile_headers(data: bytes) -> dict[str, bytes]:
+    """One damaged header field each (issue 21's fuzz findings and issue 22's metadata cases)."""
+    tokens = "tokenizer.ggml.tokens"
+    return {
+        "array-count": set_field(data, "array count", tokens, 2**64 - 1),
+        "string-length": set_field(data, "string length", "general.name", 2**64 - 1),
+        "kv-count": set_field(data, "metadata count", "", 2**64 - 1),
+        "tensor-count": set_field(data, "tensor count", "", 2**40),
+        "bad-utf8": data.replace(b"tiny-llama-synthetic", b"tiny-llama-synthe\xff\xfe\xfd", 1),
+        "dup-key": data.replace(b"llama.context_length", b"llama.rope.freq_base", 1),
+        "dup-tensor": data.replace(b"blk.1.attn_q.weight", b"blk.0.attn_q.weight", 1),
+        "n-dims": set_field(data, "n_dims", "blk.0.attn_q.weight", 5),
+        "dimension": set_field(data, "dimension", "blk.0.attn_q.weight", 2**64 - 1),
+        "tensor-type": set_field(data, "tensor type", "blk.0.attn_q.weight", 99),
+        "misaligned": set_field(data, "tensor offset", "blk.0.attn_q.weight", 1),
+        "tensor-offset": set_field(data, "tensor offset", "blk.0.attn_q.weight", 2**63),
+        "overlap": set_field(data, "tensor offset", "blk.0.attn_q.weight", 0),
+        "block-count": set_field(data, "scalar", "llama.block_count", 2**31 - 1),
+        "head-count": set_field(data, "scalar", "llama.attention.head_count", 0),
+    }
 
 
 @pytest.mark.parametrize("name,fragment", [
@@ -43,6 +67,34 @@ def bad_files(tmp_path_factory):
 def test_bad_model_files(bad_files, name, fragment):
     assert_user_error(run_cli("info", str(bad_files / name)), fragment)
     assert_user_error(run_cli("generate", str(bad_files / name), "-p", "hi"), fragment)
+
+
+@pytest.mark.parametrize("name,fragment", [
+    ("array-count", "'tokenizer.ggml.tokens' claims 18,446,744,073,709,551,615 items, more than the"),
+    ("string-length", "the header ends early: the value of 'general.name' runs past the end of the file"),
+    ("kv-count", "claims 18,446,744,073,709,551,615 metadata entries"),
+    ("tensor-count", "claims 1,099,511,627,776 tensors"),
+    ("bad-utf8", "the value of 'general.name' is not valid UTF-8 text"),
+    ("dup-key", "metadata key 'llama.rope.freq_base' appears twice"),
+    ("dup-tensor", "tensor 'blk.0.attn_q.weight' appears twice"),
+    ("n-dims", "tensor 'blk.0.attn_q.weight' has 5 dimensions; GGUF tensors have 1 to 4"),
+    ("dimension", "tensor 'blk.0.attn_q.weight' has shape"),
+    ("tensor-type", "tensor 'blk.0.attn_q.weight' has unknown type id 99"),
+    ("misaligned", "tensor 'blk.0.attn_q.weight' starts at offset 1, which is not a multiple of the alignment 32"),
+    ("tensor-offset", "it is truncated: tensor 'blk.0.attn_q.weight' ends at byte"),
+    ("overlap", "overlap in the file"),
+    ("block-count", "'llama.block_count' is 2,147,483,647; it must be from 1 to 4,096"),
+    ("head-count", "'llama.attention.head_count' is 0; it must be from 1"),
+])
+def test_hostile_headers(bad_files, name, fragment):
+    """Each is one sentence with exit code 2 (before: tracebacks, MemoryError, ZeroDivisionError)."""
+    proc = run_cli("info", str(bad_files / f"{name}.gguf"))
+    assert_user_error(proc, fragment)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_generate_refuses_a_hostile_header(bad_files):
+    assert_user_error(run_cli("generate", str(bad_files / "block-count.gguf"), "-p", "hi"), "'llama.block_count' is")
 
 
 def test_unsupported_tensor_type(tmp_path):
