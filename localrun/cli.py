@@ -219,8 +219,8 @@ def info(model: Optional[str] = ModelArg,
               "n_head": c.n_head, "n_head_kv": c.n_head_kv, "head_dim": c.head_dim, "n_ff": c.n_ff,
               "context_length": c.context_length, "n_vocab": c.n_vocab, "rope_base": c.rope_base,
               "rope_scaling": c.rope_scaling_type, "tied_output": c.tied_output,
-              "chat_template": "the file's" if c.chat_template else f"built-in ChatML ({c.chat_template_error})"
-              if c.chat_template_error else "built-in ChatML (the file has none)",
+              "chat_template": (f"built-in ChatML ({c.chat_template_error})" if c.chat_template_error else "the file's")
+              if c.chat_template else "built-in ChatML (the file has none)",
               "tensor_types": {k: {"tensors": n_tensors[k], "bytes": n_bytes[k]} for k in n_bytes}}
     if as_json:
         out.print_json(json.dumps(fields))

@@ -22,9 +22,16 @@ def test_smollm2_template_adds_default_system_prompt():
 
 
 def test_template_exceptions_become_user_errors():
-    template = "{{ raise_exception('roles must alternate') }}"
+    template = ("{% if messages|length > 1 and messages[0]['role'] == messages[1]['role'] %}"
+                "{{ raise_exception('roles must alternate') }}{% endif %}" + CHATML)
     with pytest.raises(UserError, match="roles must alternate"):
-        render_chat(template, [{"role": "user", "content": "x"}])
+        render_chat(template, [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
+
+
+def test_a_template_that_always_raises_is_replaced_by_chatml():
+    """Refused at load (it fails on every sample conversation): the built-in template is used."""
+    template = "{{ raise_exception('no conversation is right') }}"
+    assert render_chat(template, [{"role": "user", "content": "x"}]) == render_chat(CHATML, [{"role": "user", "content": "x"}])
 
 
 @pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "wizard", "content": "x"}],
