@@ -19,6 +19,7 @@ from localrun.model.kv_cache import ContiguousKVCache
 from localrun.model.llama import Segment
 from localrun.runner import SequenceRunner
 from localrun.sampling import SamplingParams
+from fidelity import fidelity
 
 EOS = 2                                   # <|im_end|> of the synthetic vocabulary
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -115,12 +116,15 @@ def test_paged_attention_equals_contiguous_cache(model, table, fast_path):
         assert torch.equal(v, reference.v[layer, :, :len(ids)])
 
 
-@pytest.mark.parametrize("kv_type, min_agreement, max_kl", [("int8", 0.95, 1e-3), ("fp8", 0.85, 1e-2)])
-def test_quantized_kv_agrees_with_f32_kv(model, kv_type, min_agreement, max_kl):
-    """Teacher-forced next-token top-1 agreement and KL against f32 KV. Measured on this file:
-    int8 0.975 (KL 1.3e-4), fp8 0.90 (KL 3.3e-3): 10% of its positions have a top-2 logit margin
-    under 0.055, within fp8's 2.5% relative rounding. (SmolLM2, 500 tokens: int8 0.986-0.992,
-    fp8 0.93-0.94, bf16 0.996.)"""
+@pytest.mark.parametrize("kv_type, max_kl, max_regret", [("int8", 3e-4, 0.1), ("fp8", 1e-2, 0.5)])
+def test_quantized_kv_agrees_with_f32_kv(model, kv_type, max_kl, max_regret):
+    """Teacher-forced next-token distributions against f32 KV, by tests/fidelity.py's measures.
+    Measured on this file (200 positions, 2026-11-30, Intel Xeon AVX-512, the same with the AVX2
+    kernels forced): int8 KL 9.6e-5, top-1 0.99, worst regret 0.011; fp8 KL 2.9e-3, top-1 0.90
+    (10% of the positions have a top-2 margin under 0.055, within fp8's 2.5% relative rounding),
+    worst regret 0.16; both top-1 1.0 over the 140 positions with a margin > 0.2. Broken on
+    purpose (int8): a block's earlier K tokens kept under its new scale KL 1.2e-2, regret 1.4,
+    top-1 (margin > 0.2) 0.95; K and V swapped KL 2.5, top-1 0.01; RoPE base x0.1 KL 0.97."""
     if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
         pytest.skip("this torch has no float8_e4m3fn")
     ids = random_ids(200, seed=0)
@@ -133,10 +137,8 @@ def test_quantized_kv_agrees_with_f32_kv(model, kv_type, min_agreement, max_kl):
         return teacher_forced_logits(model, ids, cache, chunks, view=cache.sequence_view(table)), cache
 
     (expected, f32_cache), (got, cache) = logits("f32"), logits(kv_type)
-    agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True,
-                                    reduction="none").sum(-1).mean().item()
-    assert agreement >= min_agreement and kl <= max_kl, (agreement, kl)
+    f = fidelity(expected, got, margin=0.2)
+    assert f.mean_kl <= max_kl and f.worst_regret <= max_regret and f.top1_confident >= 0.97, f
     # blocks of 4 here: int8's per-channel K scales cost 1 byte per element, so 1.53 bytes on average
     per_element = paged_kv.kv_bytes_per_element(kv_type, head_dim=64, block_size=4)
     assert cache.num_bytes == f32_cache.num_bytes / 4 * per_element < f32_cache.num_bytes / 2
