@@ -75,6 +75,15 @@ if ! "$VENV/bin/python" -c "import localrun, pytest, hypothesis" >/dev/null 2>&1
     touch "$VENV/.project-installed"
 fi
 
+# localrun's compiled kernels (quantized matmuls on the GGUF blocks), built once per source,
+# torch and compiler under $LOCALRUN_HOME/kernels/; a compiler error stops set-up with its message
+if [ "${LOCALRUN_NO_KERNELS:-0}" != 1 ]; then
+    if ! "$VENV/bin/python" -m localrun.kernels.build >/dev/null; then
+        say "set LOCALRUN_NO_KERNELS=1 to run without the compiled kernels (slower)"
+        exit 1
+    fi
+fi
+
 if [ "${LOCALRUN_SKIP_MODEL:-0}" != 1 ]; then
     "$VENV/bin/localrun" pull smollm2-135m >/dev/null
 fi

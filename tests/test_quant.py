@@ -1,6 +1,8 @@
-"""Quantized weights (localrun/model/quant.py) against the reference path: the int4 mapping of
-Q4_0/Q4_1/Q4_K is exact, the kernels multiply by those weights, the fast model agrees with
-the dequantized one, and on the real model resident memory stays near the file size."""
+"""Quantized weights (localrun/model/quant.py, localrun/model/gguf_weight.py) against the
+reference path: the file's blocks are used in place by localrun's kernels where they are
+compiled (torch's int4/int8 kernels are the fallback, still tested with the kernels switched off
+here), the fast model agrees with the dequantized one, and on the real model resident memory
+stays near the file size."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,9 @@ from gguf.quants import dequantize
 from localrun.api import LLM
 from localrun.gguf_file import open_gguf
 from localrun.loader import file_tensor
+from localrun import kernels
+from localrun.model import quant
+from localrun.model.gguf_weight import GGUFWeight
 from localrun.model.quant import (ConcatWeight, FileTensor, Int4Weight, Int8Weight, PlainWeight, int4_backend,
                                   int4_groups, int8_backend, make_weight)
 from reference_forward import compare_logits
@@ -23,6 +28,13 @@ from reference_forward import compare_logits
 IDS = [5, 77, 300, 12, 12, 199, 3, 250, 41, 8, 160, 90, 17, 311, 64, 2]
 needs_int4 = pytest.mark.skipif(int4_backend("cpu") is None, reason="this torch has no CPU int4 kernel")
 needs_int8 = pytest.mark.skipif(not int8_backend("cpu"), reason="this torch has no CPU int8 kernel")
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="localrun's kernels did not compile here")
+
+
+@pytest.fixture
+def torch_kernels_only(monkeypatch):
+    """Build weights as if localrun's kernels were missing: torch's int4/int8 fallback."""
+    monkeypatch.setattr(quant, "kernel_types", lambda: {})
 
 
 def ffn_tensor(path, name="blk.0.ffn_up.weight") -> FileTensor:
@@ -79,7 +91,7 @@ def test_int8_levels_and_exact_top():
 
 
 @needs_int4
-def test_parts_of_different_types_fuse_into_one_output(tiny_gguf):
+def test_parts_of_different_types_fuse_into_one_output_without_kernels(tiny_gguf, torch_kernels_only):
     q4 = ffn_tensor(tiny_gguf("Q4_0"), "blk.0.attn_q.weight")
     q6 = ffn_tensor(tiny_gguf("Q6_K"), "blk.0.attn_k.weight")
     w = make_weight([q4, q6], torch.device("cpu"), torch.float32, quantized=True)
@@ -89,11 +101,26 @@ def test_parts_of_different_types_fuse_into_one_output(tiny_gguf):
     assert float((w(x) - expected).norm() / expected.norm()) < 4e-3
 
 
+@needs_kernels
+def test_parts_of_different_types_fuse_in_place(tiny_gguf):
+    """q (Q4_0) and k (Q6_K) stay in the file's bytes and give one output; the error is that of
+    the 8-bit activations (as llama.cpp's), ~0.3% here."""
+    q4 = ffn_tensor(tiny_gguf("Q4_0"), "blk.0.attn_q.weight")
+    q6 = ffn_tensor(tiny_gguf("Q6_K"), "blk.0.attn_k.weight")
+    w = make_weight([q4, q6], torch.device("cpu"), torch.float32, quantized=True)
+    assert isinstance(w, GGUFWeight) and w.qtypes == [int(q4.qtype), int(q6.qtype)]
+    assert w.parts[0].data_ptr() == q4.raw.ctypes.data          # the memory map itself, no copy
+    x = torch.randn(3, q4.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = x @ torch.from_numpy(np.concatenate([q4.to_float(), q6.to_float()])).T
+    assert float((w(x) - expected).norm() / expected.norm()) < 1e-2
+    torch.testing.assert_close(w.dequantize(), torch.from_numpy(np.concatenate([q4.to_float(), q6.to_float()])))
+
+
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_fast_path_agrees_with_reference(tiny_gguf, tensor_type):
     path = tiny_gguf(tensor_type)
     fast, ref = LLM(path, n_threads=1), LLM(path, n_threads=1, quantized=False)
-    kind = Int4Weight if tensor_type != "Q8_0" else Int8Weight
+    kind = GGUFWeight if kernels.available() else Int4Weight if tensor_type != "Q8_0" else Int8Weight
     if (kind is Int4Weight and int4_backend("cpu") is None) or (kind is Int8Weight and not int8_backend("cpu")):
         pytest.skip("no kernel for this type here")
     assert isinstance(fast.model.layers[0].attention.wqkv, kind)
@@ -108,8 +135,11 @@ def test_reference_path_switches(tiny_gguf, monkeypatch):
     assert isinstance(LLM(path, dtype="float32", n_threads=1).model.layers[0].attention.wqkv, PlainWeight)
     monkeypatch.setenv("LOCALRUN_REFERENCE", "1")
     assert isinstance(LLM(path, n_threads=1).model.layers[0].attention.wqkv, PlainWeight)
-    if int4_backend("cpu"):
-        assert isinstance(LLM(path, n_threads=1, quantized=True).model.layers[0].attention.wqkv, Int4Weight)
+    fast = LLM(path, n_threads=1, quantized=True).model.layers[0].attention.wqkv
+    if kernels.available():
+        assert isinstance(fast, GGUFWeight)
+    elif int4_backend("cpu"):
+        assert isinstance(fast, Int4Weight)
 
 
 # --- the real model ------------------------------------------------------------------------------
@@ -120,14 +150,21 @@ def model_path():
 
 
 @pytest.mark.model
-@needs_int4
 def test_real_model_fast_path_teacher_forced_agreement(model_path):
-    """Teacher-forced one token at a time (the decode kernels: int4 layers, int8 head) against
-    the dequantized float32 reference: top-1 agreement at least 99%."""
+    """Teacher-forced one token at a time (the decode kernels: 8-bit activations times the
+    file's Q4_1 blocks, the Q8_0 head) against the dequantized float32 reference.
+    Measured 2026-11-30 on a Xeon (AVX-512 VNNI), 570 positions: mean KL 3.0e-3, top-1 0.961,
+    top-1 where the reference margin > 0.2: 0.996, worst regret 0.35. llama.cpp against the same
+    reference: KL 3.1e-3, top-1 0.954, confident 1.0, worst regret 0.17 (it quantizes the
+    activations the same way), so the bars are those of llama.cpp's own arithmetic, with room."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from corpus import FIDELITY_TEXT
+    from fidelity import fidelity
     fast = LLM(model_path, n_ctx=1024)
-    assert isinstance(fast.model.layers[0].attention.wqkv, Int4Weight)
+    kind = GGUFWeight if kernels.available() else Int4Weight
+    if kind is Int4Weight and int4_backend("cpu") is None:
+        pytest.skip("neither localrun's kernels nor torch's int4 kernel run here")
+    assert isinstance(fast.model.layers[0].attention.wqkv, kind)
     ids = fast.tokenize(FIDELITY_TEXT)
     prompt = 16                                      # a short prefill, then every position decoded
     runner = fast.runner
@@ -136,10 +173,9 @@ def test_real_model_fast_path_teacher_forced_agreement(model_path):
     got = torch.cat(rows).numpy()
     del fast, runner, rows
     expected = LLM(model_path, n_ctx=1024, quantized=False).logits(ids).numpy().astype(np.float64)
-    cmp = compare_logits(expected[prompt:], got[prompt:])
-    print(f"\nfast decode vs reference over {len(ids) - prompt} positions: top-1 {cmp.top1_agreement:.4f}, "
-          f"mean KL {cmp.mean_kl:.5f}")
-    assert cmp.top1_agreement >= 0.99 and cmp.mean_kl < 2e-3, cmp
+    f = fidelity(expected[prompt:], got[prompt:])
+    print(f"\nfast decode vs reference: {f}")
+    assert f.mean_kl < 6e-3 and f.top1_confident >= 0.98 and f.worst_regret < 1.0, f
 
 
 RSS_SCRIPT = """
@@ -156,33 +192,30 @@ print(json.dumps({"growth": after - before, "file": os.path.getsize(sys.argv[1])
 
 
 @pytest.mark.model
-@needs_int4
 def test_real_model_resident_memory(model_path):
-    """RSS growth from loading the model (in a fresh process) is at most 1.6x the file size."""
+    """RSS growth from loading the model (in a fresh process) is at most 1.3x the file size
+    with the kernels (the file's pages themselves, no converted copy), 1.6x without."""
     out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model_path)], capture_output=True, text=True,
                          check=True, timeout=300)
     m = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\nRSS growth {m['growth'] / 1e6:.1f} MB for a {m['file'] / 1e6:.1f} MB file "
           f"({m['growth'] / m['file']:.2f}x)")
-    assert m["growth"] <= 1.6 * m["file"], m
+    assert m["growth"] <= (1.3 if kernels.available() else 1.6) * m["file"], m
 
 
+@needs_kernels
 def test_decode_rows_round_the_same_in_any_batch(tiny_gguf):
-    """On int4 weights with batch-invariant decode (on whenever the engine speculates), a
-    sequence's decode steps do not depend on how many others decode beside it: with 40
-    sequences decoding together (40 rows), each one's logits equal, bit for bit, its logits
-    alone, and so do its greedy tokens; with prompt-lookup drafts (up to 200 rows) too. Without
-    it, 32 or more decode rows take the dequantized float32 path and one row alone the kernel."""
+    """A sequence's decode steps do not depend on how many others decode beside it: with 40
+    sequences decoding together (40 rows, past the prompt GEMM's threshold), each one's logits
+    equal, bit for bit, its logits alone, and so do its greedy tokens; with prompt-lookup
+    drafts (up to 200 rows) too. The kernels compute every row on its own."""
     import random
 
-    from localrun.api import LLM
     from localrun.engine.llm_engine import LLMEngine
     from localrun.engine.speculative import SpeculativeConfig
-    from localrun.model.quant import Int4Weight
     from localrun.sampling import SamplingParams
     llm = LLM(tiny_gguf("Q4_0"), quantized=True, n_threads=1)
-    weight = llm.model.layers[0].feed_forward.w13
-    assert isinstance(weight, Int4Weight) and weight.can_dequantize
+    assert isinstance(llm.model.layers[0].feed_forward.w13, GGUFWeight)
     rng = random.Random(0)
     motifs = [[rng.randrange(3, 320) for _ in range(5)] for _ in range(40)]
     prompts = [(m * 8)[:40] for m in motifs]          # repetitive: prompt lookup finds drafts
@@ -191,7 +224,6 @@ def test_decode_rows_round_the_same_in_any_batch(tiny_gguf):
     def run(batch: list[list[int]], **options):
         engine = LLMEngine(llm.model, max_model_len=256, max_num_seqs=len(batch),
                            max_num_batched_tokens=4096, **options)
-        engine.runner.batch_invariant_decode = True
         seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch)]
         logits: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
         forward = engine.runner.forward
@@ -215,7 +247,5 @@ def test_decode_rows_round_the_same_in_any_batch(tiny_gguf):
     assert together_tokens == [tokens[0] for tokens, _ in alone]
     for (_, [mine]), theirs in zip(alone, together_logits):
         assert len(mine) == len(theirs) == 11 and all(torch.equal(a, b) for a, b in zip(mine, theirs))
-    engine = LLMEngine(llm.model, max_model_len=256, speculative=SpeculativeConfig("ngram", 4, adaptive=False))
-    assert engine.runner.batch_invariant_decode and not LLMEngine(llm.model, max_model_len=256).runner.batch_invariant_decode
     drafted, _ = run(prompts, speculative=SpeculativeConfig("ngram", 4, adaptive=False))
     assert drafted == together_tokens

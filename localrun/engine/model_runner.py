@@ -18,7 +18,6 @@ from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
 from localrun.engine.speculative import verify_draft
 from localrun.model.llama import Segment, Transformer
-from localrun.model.quant import decode_rows
 from localrun.sampling import SamplingParams, make_generator, sample
 
 DEFAULT_PARAMS = SamplingParams()
@@ -26,7 +25,7 @@ DEFAULT_PARAMS = SamplingParams()
 
 def num_decode_rows(batch: Batch) -> int:
     """Rows of the leading decode and verify entries (the scheduler puts them before prompt
-    chunks): quantized weights compute these the same way whatever the batch (quant.decode_rows)."""
+    chunks): quantized weights compute these the same way whatever the batch."""
     n = 0
     for entry in batch.entries:
         if entry.is_prefill:
@@ -42,8 +41,9 @@ class ModelRunner:
     once under a mask rounds differently (about 1e-5 in float32), and the bfloat16
     activations of the quantized kernels can grow that into a different argmax at a near-tie:
     greedy output would then differ from plain decoding.
-    batch_invariant_decode: decode and verify rows go through int4 weights the same way in any
-    batch (quant.decode_rows), so a sequence's output does not depend on how many rows share
+    batch_invariant_decode: kept for callers; decode and verify rows now always go through the
+    quantized weights the same way in any batch (the model's `decode_rows`), so a sequence's
+    output does not depend on how many rows share
     its steps. The engine turns it on when it speculates (a verify step adds rows, which must
     not change the result); plain batched decoding, like the peers', does without it, since it
     makes a mixed step (16 decodes beside a 496-row prompt chunk) about 19% slower per layer,
@@ -74,8 +74,7 @@ class ModelRunner:
         tokens = torch.tensor(batch.input_token_ids(), dtype=torch.long, device=device)    # (T,)
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=device)       # (T,)
         rows = torch.tensor(batch.sample_indices(), dtype=torch.long, device=device)       # (S,)
-        with decode_rows(num_decode_rows(batch) if self.batch_invariant_decode else 0):
-            return self.model(tokens, positions, self.segments(batch), rows)
+        return self.model(tokens, positions, self.segments(batch), rows, decode_rows=num_decode_rows(batch))
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int] | Exception]:
         """Per sampling entry, in entry order (what Scheduler.postprocess takes): one token id,

@@ -23,7 +23,7 @@ X86 = os.uname().machine in ("x86_64", "AMD64")
 SOURCES = {   # file -> extra flags
     "ops.cpp": [],
     "qmatmul_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else None,
-    "qmatmul_avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+    "qmatmul_avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
     if X86 else None,
 }
 

@@ -75,9 +75,9 @@ class Attention(nn.Module):
         self.wqkv, self.wo, self.layer = wqkv, wo, layer   # (q+2kv dims, D), (D, q dims)
         self.n_head, self.n_head_kv, self.head_dim = config.n_head, config.n_head_kv, config.head_dim
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment], decode_rows: int = 0) -> torch.Tensor:
         T, H, n_kv = x.shape[0], self.n_head, self.n_head_kv
-        qkv = self.wqkv(x).view(T, H + 2 * n_kv, self.head_dim)          # (T, H + 2 n_kv, hd)
+        qkv = self.wqkv(x, decode_rows).view(T, H + 2 * n_kv, self.head_dim)          # (T, H + 2 n_kv, hd)
         q, k = apply_rope(qkv[:, :H + n_kv], freqs).split([H, n_kv], dim=1)   # q and k rotated at once
         v = qkv[:, H + n_kv:]                                             # (T, n_kv, hd)
         if len(segments) == 1:
@@ -85,7 +85,7 @@ class Attention(nn.Module):
         else:
             out = torch.cat([self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
                                           v[s.start:s.start + s.length], s) for s in segments])
-        return self.wo(out.reshape(T, H * self.head_dim))
+        return self.wo(out.reshape(T, H * self.head_dim), decode_rows)
 
     def _attend(self, q, k, v, seg: Segment) -> torch.Tensor:
         """Causal attention of one segment's queries over its cached prefix plus itself."""
@@ -115,9 +115,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2        # (2*F, D) gate then up, (D, F)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        gate, up = self.w13(x, decode_rows).chunk(2, dim=-1)
+        return self.w2(F.silu(gate).mul_(up), decode_rows)
 
 
 class WeightBuilder:
@@ -158,9 +158,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(build.vector(p + "ffn_norm.weight", device), config.rms_eps)
         self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device))
 
-    def forward(self, x, freqs, segments):
-        h = x + self.attention(self.attention_norm(x), freqs, segments)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x, freqs, segments, decode_rows: int = 0):
+        h = x + self.attention(self.attention_norm(x), freqs, segments, decode_rows)
+        return h + self.feed_forward(self.ffn_norm(h), decode_rows)
 
 
 class Transformer(nn.Module):
@@ -202,8 +202,10 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions (T,) -> float32 logits (len(logits_rows) or T, V)."""
+                logits_rows: torch.Tensor | None = None, decode_rows: int = 0) -> torch.Tensor:
+        """tokens, positions (T,) -> float32 logits (len(logits_rows) or T, V).
+        decode_rows: the leading rows that are decode or verify rows (one query each): the
+        quantized weights compute them the same way whatever else is in the batch."""
         x = self.tok_embeddings.rows(tokens).to(self.dtype)                   # (T, D)
         freqs = self.freqs[positions]                                        # (T, hd/2)
         group = self.embedding_group
@@ -211,9 +213,9 @@ class Transformer(nn.Module):
             if layer.group != group:
                 x, freqs = self.cross(x, freqs, layer.device)
                 group = layer.group
-            x = layer(x, freqs, segments)
+            x = layer(x, freqs, segments, decode_rows)
         if self.head_group != group:
             x, freqs = self.cross(x, freqs, self.head_device)
         if logits_rows is not None:
             x = x[logits_rows.to(x.device)]
-        return self.output(self.norm(x)).float()
+        return self.output(self.norm(x), decode_rows).float()

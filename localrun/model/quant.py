@@ -19,8 +19,6 @@ x's dtype. Both the CPU and the CUDA variants are feature-detected (`int4_backen
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -29,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
+
+from localrun.model.gguf_weight import GGUFWeight, kernel_types, rows_tensor
 
 GROUP = 32                                   # values per int4 scale, as the 32-value GGUF blocks
 INT4_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
@@ -160,7 +160,7 @@ class PlainWeight:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         return F.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -180,27 +180,6 @@ class PlainWeight:
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
-
-
-_decode_rows = threading.local()       # .n: leading rows of the current forward that are decode rows
-
-
-@contextlib.contextmanager
-def decode_rows(n: int):
-    """Within this block, the first n rows of every int4 matmul are decode (or draft-verify) rows:
-    they always go through torch's kernel, which computes each row independently of the others
-    (bit for bit, checked up to 64 rows), so a sequence's decode step rounds the same in any
-    batch. Only the prompt rows after them switch to dequantize-plus-float32 when there are
-    DEQUANT_MIN_ROWS or more. Without this, 8 sequences verifying 4 drafts each (40 rows) took
-    the float32 path while the same 8 decoding plainly (8 rows) took the kernel, and greedy
-    speculative output could differ from plain decoding in a busy batch. The model runner uses
-    it when the engine speculates (ModelRunner.batch_invariant_decode)."""
-    previous = getattr(_decode_rows, "n", 0)
-    _decode_rows.n = n
-    try:
-        yield
-    finally:
-        _decode_rows.n = previous
 
 
 class Int4Weight:
@@ -246,10 +225,12 @@ class Int4Weight:
         rest = (exact - scales_zeros.float()).to(KERNEL_DTYPE).contiguous().to(device) if residual else None
         return cls(packed, scales_zeros.contiguous().to(device), (n, k), rest)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, K) -> (T, N) in x's dtype. Decode rows (see `decode_rows`) always go through the
-        kernel; prompt rows are dequantized when there are DEQUANT_MIN_ROWS or more."""
-        d = min(getattr(_decode_rows, "n", 0), x.shape[0])
+    def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        """x (T, K) -> (T, N) in x's dtype. The first `decode_rows` rows (decode and verify rows,
+        named by the model runner) always go through the kernel, which computes each row on its
+        own, so they round the same in any batch; the prompt rows after them are dequantized
+        when there are DEQUANT_MIN_ROWS or more."""
+        d = min(decode_rows, x.shape[0])
         if x.shape[0] - d >= self.DEQUANT_MIN_ROWS and self.can_dequantize:
             prompt = F.linear(x[d:], self.dequantize().to(x.dtype))
             return prompt if d == 0 else torch.cat([self._kernel(x[:d]), prompt])
@@ -322,7 +303,7 @@ class Int8Weight:
             rest = rest - c.astype(np.float32) * s[:, None]
         return cls(codes, scales, split_activations, refine_top)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         flat = x.reshape(-1, self.codes[0].shape[1])
         n = flat.shape[0]
         hi = flat.to(KERNEL_DTYPE)
@@ -372,8 +353,8 @@ class ConcatWeight:
     def __init__(self, parts: list):
         self.parts = parts
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([part(x) for part in self.parts], dim=-1)
+    def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        return torch.cat([part(x, decode_rows) for part in self.parts], dim=-1)
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([part.dequantize().float() for part in self.parts])
@@ -403,6 +384,15 @@ class FileTensor:
         return dequantize(self.raw, self.qtype).reshape(self.shape).astype(np.float32, copy=False)
 
 
+def in_place(parts: list[FileTensor], device: torch.device, quantized: bool) -> bool:
+    """Whether these tensors are used as the file stores them, by localrun's kernels
+    (gguf_weight.py): on the CPU, when every part's type has a kernel."""
+    if not quantized or device.type != "cpu":
+        return False
+    types = kernel_types()
+    return all(p.qtype.name in types and p.raw.ndim == 2 and p.shape[1] % GROUP == 0 for p in parts)
+
+
 def kind_of(t: FileTensor, device: torch.device, quantized: bool) -> str:
     """'int4', 'int8' or 'plain': how a tensor of this type is held on this device."""
     if quantized and t.qtype in INT4_TYPES and t.shape[1] % GROUP == 0 and int4_backend(device.type):
@@ -415,6 +405,8 @@ def kind_of(t: FileTensor, device: torch.device, quantized: bool) -> str:
 def make_weight(parts: list[FileTensor], device: torch.device, dtype: torch.dtype, quantized: bool):
     """The fused weight of parts stacked along N (e.g. q, k, v -> wqkv), held quantized where a
     kernel exists for all of them, else per part (ConcatWeight), else dequantized (PlainWeight)."""
+    if in_place(parts, device, quantized):
+        return GGUFWeight([rows_tensor(p.raw) for p in parts], [int(p.qtype) for p in parts], parts[0].shape[1])
     kinds = [kind_of(p, device, quantized) for p in parts]
     if len(set(kinds)) > 1:
         return ConcatWeight([make_weight([p], device, dtype, quantized) for p in parts])
@@ -435,6 +427,8 @@ HEAD_INT8_LEVELS = 2
 def make_embedding(t: FileTensor, device: torch.device, dtype: torch.dtype, quantized: bool):
     """The token table: two-level int8 rows for a quantized file tensor, so that a tied output
     head can share it (Int8Weight), else plain."""
+    if in_place([t], device, quantized):
+        return GGUFWeight([rows_tensor(t.raw)], [int(t.qtype)], t.shape[1])
     if quantized and t.qtype not in (QT.F32, QT.F16, QT.BF16):
         return Int8Weight.from_float(t.to_float(), device, levels=HEAD_INT8_LEVELS, split_activations=True,
                                      refine_top=True)

@@ -84,6 +84,8 @@ struct QX {
     const float* d;        // (M, K/32)
     const int32_t* s;      // (M, K/16)
     int64_t K;
+    const float* dxv;      // (M, K/32, 8): d in every lane (SIMD paths)
+    const float* sxv;      // (M, K/32, 8): d * s[half] / 4 in the half's 4 lanes (SIMD paths)
 };
 
 }  // namespace localrun

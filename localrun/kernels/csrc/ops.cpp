@@ -16,12 +16,12 @@
 namespace localrun {
 namespace avx2 {
 bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
-void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*);
 bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 }
 namespace avx512 {
 bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
-void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*);
 bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 }
 
@@ -34,7 +34,8 @@ Isa detect_isa() {
     __builtin_cpu_init();
     const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                            __builtin_cpu_supports("avx512vnni");
     if (forced && *forced) {
         std::string f(forced);
         if (f == "ref") return Isa::Ref;
@@ -62,11 +63,11 @@ int64_t row_bytes_of(int qtype, int64_t K) {
     return K / values * bytes;
 }
 
-void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_t* s) {
+void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_t* s, float* dxv, float* sxv) {
     auto body = [&](int64_t m0, int64_t m1) {
         switch (isa()) {
-            case Isa::Avx512: avx512::quantize_rows(x, K, m0, m1, qs, d, s); break;
-            case Isa::Avx2: avx2::quantize_rows(x, K, m0, m1, qs, d, s); break;
+            case Isa::Avx512: avx512::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv); break;
+            case Isa::Avx2: avx2::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv); break;
             default:
                 for (int64_t m = m0; m < m1; m++)
                     quantize_row_ref(x + m * K, K, qs + m * K, d + m * (K / 32), s + m * (K / 16));
@@ -107,8 +108,11 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     at::Tensor qs = at::empty({M, K}, x.options().dtype(at::kChar));
     at::Tensor d = at::empty({M, K / 32}, x.options());
     at::Tensor s = at::empty({M, K / 16}, x.options().dtype(at::kInt));
-    quantize(x.data_ptr<float>(), M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>());
-    const QX qx{qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), K};
+    at::Tensor dxv = at::empty({M, K / 32, 8}, x.options()), sxv = at::empty({M, K / 32, 8}, x.options());
+    quantize(x.data_ptr<float>(), M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(),
+             dxv.data_ptr<float>(), sxv.data_ptr<float>());
+    const QX qx{qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), K, dxv.data_ptr<float>(),
+                sxv.data_ptr<float>()};
     float* out = y.data_ptr<float>();
     // one pass over all weights' rows, split at part boundaries
     const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()) / 16 * 16);

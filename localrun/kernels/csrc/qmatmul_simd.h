@@ -55,30 +55,51 @@ static inline __m256i nibbles(const uint8_t* qs16) {   // 16 bytes -> 32 codes: 
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
 
-// Accumulators of one activation row.
-struct Acc {
-    __m256 v = _mm256_setzero_ps();
-    float bias = 0.f;
-};
+// Per activation row and group, 8 lanes matching the 8 int32 lanes of a group's dot product:
+// dxv = d (the block's scale) in every lane; sxv = d * (sum of the half's codes) / 4 in the
+// half's 4 lanes, so that  sum over lanes of (isum * a * dxv + b * sxv)  is the group's
+// a * d * sum(q * x) + b * d * sum(x), all in vector registers.
+constexpr int LANES = 8;
 
-// One decoded group times R activation rows. g: group index in the row (activation block).
+#ifdef LOCALRUN_VNNI
+// AVX-512: two groups per 512-bit register.
+struct Pair { __m512i q; __m512 a, b; };
+
+static inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline __m512 join(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+
 template <bool SIGNED, int R>
-static inline void group_rows(__m256i q, float alo, float ahi, float blo, float bhi, int64_t g,
-                              const int8_t* const* xq, const float* const* xd, const int32_t* const* xs, Acc* acc) {
-    const __m256 a = _mm256_set_m128(_mm_set1_ps(ahi), _mm_set1_ps(alo));
+static inline void pair_rows(const Pair& p, int64_t g, const int8_t* const* xq, const float* const* dxv,
+                             const float* const* sxv, __m512* acc) {
+    for (int r = 0; r < R; r++) {
+        const __m512i x = _mm512_loadu_si512((const void*)(xq[r] + 32 * g));
+        __m512i isum;
+        if (SIGNED) isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(p.q),
+                                               _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(p.q), _mm512_setzero_si512(), x));
+        else isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p.q, x);
+        const __m512 scale = _mm512_mul_ps(p.a, _mm512_loadu_ps(dxv[r] + LANES * g));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+        if (!SIGNED) acc[r] = _mm512_fmadd_ps(p.b, _mm512_loadu_ps(sxv[r] + LANES * g), acc[r]);
+    }
+}
+#else
+template <bool SIGNED, int R>
+static inline void group_rows(__m256i q, __m256 a, __m256 b, int64_t g, const int8_t* const* xq,
+                              const float* const* dxv, const float* const* sxv, __m256* acc) {
     for (int r = 0; r < R; r++) {
         const __m256i x = _mm256_loadu_si256((const __m256i*)(xq[r] + 32 * g));
         const __m256i isum = SIGNED ? dot_ss(q, x) : dot_us(q, x);
-        const float dx = xd[r][g];
-        acc[r].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(a, _mm256_set1_ps(dx)), acc[r].v);
-        if (!SIGNED) {
-            const float b = blo * (float)xs[r][2 * g] + bhi * (float)xs[r][2 * g + 1];
-            acc[r].bias = std::fma(b, dx, acc[r].bias);
-        }
+        const __m256 scale = _mm256_mul_ps(a, _mm256_loadu_ps(dxv[r] + LANES * g));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+        if (!SIGNED) acc[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(sxv[r] + LANES * g), acc[r]);
     }
 }
+#endif
 
-// Visit every group of a weight row: f(g, codes, alo, ahi, blo, bhi).
+
+static inline __m256 halves(float lo, float hi) { return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)); }
+
+// Visit every group of a weight row: f(g, codes, a, b) with a, b per lane (halves(lo, hi) or broadcast).
 template <int QT, class F>
 static inline void for_each_group(const uint8_t* row, int64_t K, F&& f) {
     if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
@@ -93,13 +114,13 @@ static inline void for_each_group(const uint8_t* row, int64_t K, F&& f) {
             }
             const float d = f16(blk);
             const float b = QT == Q4_0 ? -8.f * d : QT == Q5_0 ? -16.f * d : f16(blk + 2);
-            f(g, q, d, d, b, b);
+            f(g, q, _mm256_set1_ps(d), _mm256_set1_ps(b));
         }
     } else if constexpr (QT == Q8_0) {
         for (int64_t g = 0; g < K / 32; g++) {
             const uint8_t* blk = row + g * 34;
             const float d = f16(blk);
-            f(g, _mm256_loadu_si256((const __m256i*)(blk + 2)), d, d, 0.f, 0.f);
+            f(g, _mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_ps(d), _mm256_setzero_ps());
         }
     } else if constexpr (QT == Q4_K || QT == Q5_K) {
         constexpr int bytes = QT == Q4_K ? 144 : 176;
@@ -120,7 +141,7 @@ static inline void for_each_group(const uint8_t* row, int64_t K, F&& f) {
                     }
                     int sc, m; scale_min_k4(j, blk + 4, sc, m);
                     const float a = d * (float)sc, b = -dmin * (float)m;
-                    f(sb * 8 + j, q, a, a, b, b);
+                    f(sb * 8 + j, q, _mm256_set1_ps(a), _mm256_set1_ps(b));
                 }
             }
         }
@@ -140,30 +161,55 @@ static inline void for_each_group(const uint8_t* row, int64_t K, F&& f) {
                     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), low2);
                     __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
                     const float alo = d * (float)sc[2 * k], ahi = d * (float)sc[2 * k + 1];
-                    f(sb * 8 + h * 4 + k, q, alo, ahi, -32.f * alo, -32.f * ahi);
+                    f(sb * 8 + h * 4 + k, q, halves(alo, ahi), halves(-32.f * alo, -32.f * ahi));
                 }
             }
         }
     }
 }
 
-// y[m, n] for rows m in [0, M) of qx and weight rows n in [n0, n1); y has row stride ldy.
+// y[m, n] for rows m in [m0, m0 + R) of qx and weight rows n in [n0, n1); y has row stride ldy.
 template <int QT, int R>
 static void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t m0,
                       float* y, int64_t ldy) {
     constexpr bool SIGNED = QT == Q8_0;
-    const int8_t* xq[R]; const float* xd[R]; const int32_t* xs[R];
+    const int64_t G = qx.K / 32;
+    const int8_t* xq[R]; const float* dxv[R]; const float* sxv[R];
     for (int r = 0; r < R; r++) {
         xq[r] = qx.qs + (m0 + r) * qx.K;
-        xd[r] = qx.d + (m0 + r) * (qx.K / 32);
-        xs[r] = qx.s + (m0 + r) * (qx.K / 16);
+        dxv[r] = qx.dxv + (m0 + r) * G * LANES;
+        sxv[r] = qx.sxv + (m0 + r) * G * LANES;
     }
     for (int64_t n = n0; n < n1; n++) {
-        Acc acc[R];
-        for_each_group<QT>(w + n * row_bytes, qx.K, [&](int64_t g, __m256i q, float alo, float ahi, float blo, float bhi) {
-            group_rows<SIGNED, R>(q, alo, ahi, blo, bhi, g, xq, xd, xs, acc);
+#ifdef LOCALRUN_VNNI
+        __m512 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        __m256i q0 = _mm256_setzero_si256(); __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps();
+        for_each_group<QT>(w + n * row_bytes, qx.K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
+            if (g % 2 == 0) { q0 = q; a0 = a; b0 = b; return; }
+            const Pair p{join(q0, q), join(a0, a), join(b0, b)};
+            pair_rows<SIGNED, R>(p, g - 1, xq, dxv, sxv, acc);
         });
-        for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n] = hsum(acc[r].v) + acc[r].bias;
+        float tail[R] = {};
+        if (G % 2) {            // the last group alone, in the low half
+            for (int r = 0; r < R; r++) {
+                __m256 t = _mm256_setzero_ps();
+                const __m256i x = _mm256_loadu_si256((const __m256i*)(xq[r] + 32 * (G - 1)));
+                const __m256i isum = SIGNED ? dot_ss(q0, x) : dot_us(q0, x);
+                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(a0, _mm256_loadu_ps(dxv[r] + LANES * (G - 1))), t);
+                if (!SIGNED) t = _mm256_fmadd_ps(b0, _mm256_loadu_ps(sxv[r] + LANES * (G - 1)), t);
+                tail[r] = hsum(t);
+            }
+        }
+        for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+#else
+        __m256 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for_each_group<QT>(w + n * row_bytes, qx.K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
+            group_rows<SIGNED, R>(q, a, b, g, xq, dxv, sxv, acc);
+        });
+        for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n] = hsum(acc[r]);
+#endif
     }
 }
 
@@ -201,7 +247,8 @@ bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int
 }
 
 // Quantize rows [m0, m1) of x (M, K) to the activation format: round half to even, as the reference.
-void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs, float* d, int32_t* s) {
+void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs, float* d, int32_t* s,
+                   float* dxv, float* sxv) {
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     for (int64_t m = m0; m < m1; m++) {
         for (int64_t b = 0; b < K / 32; b++) {
@@ -228,6 +275,10 @@ void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs
             int32_t a0 = 0, a1 = 0;
             for (int i = 0; i < 8; i++) { a0 += t0[i]; a1 += t1[i]; }
             s[m * (K / 16) + 2 * b] = a0; s[m * (K / 16) + 2 * b + 1] = a1;
+            const float scale = a / 127.f;
+            float* dv = dxv + (m * (K / 32) + b) * LANES;
+            float* sv = sxv + (m * (K / 32) + b) * LANES;
+            for (int i = 0; i < LANES; i++) { dv[i] = scale; sv[i] = scale * (float)(i < 4 ? a0 : a1) * 0.25f; }
             // pack int32 -> int8 in order
             __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
             __m256i p = _mm256_packs_epi16(p01, p23);
@@ -243,14 +294,14 @@ bool dequantize_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, 
         constexpr int QT = decltype(qt)::value;
         for (int64_t n = n0; n < n1; n++) {
             float* o = out + n * K;
-            for_each_group<QT>(w + n * row_bytes, K, [&](int64_t g, __m256i q, float alo, float ahi, float blo, float bhi) {
+            for_each_group<QT>(w + n * row_bytes, K, [&](int64_t g, __m256i q, __m256 av, __m256 bv) {
                 __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
                 __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
                 for (int i = 0; i < 4; i++) {
                     __m256i q32 = QT == Q8_0 ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
-                    const float a = i < 2 ? alo : ahi, b = i < 2 ? blo : bhi;
-                    _mm256_storeu_ps(o + 32 * g + 8 * i,
-                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_set1_ps(a), _mm256_set1_ps(b)));
+                    const __m256i lane = _mm256_set1_epi32(i < 2 ? 0 : 4);     // the half's value, in every lane
+                    _mm256_storeu_ps(o + 32 * g + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_permutevar8x32_ps(av, lane),
+                                                                         _mm256_permutevar8x32_ps(bv, lane)));
                 }
             });
         }

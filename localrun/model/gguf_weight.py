@@ -1,0 +1,75 @@
+"""Weights used in place: the GGUF file's quantized rows, memory-mapped, multiplied by
+localrun's compiled kernels (localrun/kernels). Nothing is converted at load, so resident
+memory grows only by the pages a forward touches, and processes share the page cache.
+
+- Decode rows (the first `decode_rows` rows of a call, which the model runner names) always go
+  through the integer kernel, which computes every row on its own: a sequence's decode and
+  verify rows give bit-identical results whatever else shares the step.
+- Prompt rows go through the same kernel in small numbers; from PROMPT_GEMM_MIN_ROWS rows on,
+  the weight is dequantized to float32 for the call and multiplied by torch's GEMM, which is
+  several times faster there (docs/kernels.md has the figures per CPU).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from localrun import kernels
+
+PROMPT_GEMM_MIN_ROWS = 32
+
+
+def kernel_types() -> dict[str, int]:
+    return kernels.KERNEL_TYPES if kernels.available() else {}
+
+
+def rows_tensor(raw: np.ndarray) -> torch.Tensor:
+    """A (rows, bytes per row) uint8 view of the file's bytes, no copy. The memory map is
+    read-only and the kernels never write to it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)        # "the given NumPy array is not writable"
+        return torch.from_numpy(raw)
+
+
+class GGUFWeight:
+    """Fused parts (q, k, v or gate, up) stacked along N, each (N_i, row bytes) in its file type."""
+
+    def __init__(self, parts: list[torch.Tensor], qtypes: list[int], k: int):
+        self.parts, self.qtypes, self.k = parts, [int(q) for q in qtypes], k
+        self.n = sum(p.shape[0] for p in parts)
+
+    def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        """x (..., K) -> (..., N) in x's dtype."""
+        flat = x.reshape(-1, self.k).float()
+        d = min(decode_rows, flat.shape[0])
+        if flat.shape[0] - d >= PROMPT_GEMM_MIN_ROWS:
+            prompt = F.linear(flat[d:], self.dequantize())
+            y = prompt if d == 0 else torch.cat([kernels.qmatmul(flat[:d], self.parts, self.qtypes), prompt])
+        else:
+            y = kernels.qmatmul(flat, self.parts, self.qtypes)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids dequantized, float32 (len(ids), K) (embedding lookups; one part only)."""
+        assert len(self.parts) == 1
+        return kernels.dequantize(self.parts[0][ids.cpu()].contiguous(), self.qtypes[0], self.k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 (N, K)."""
+        parts = [kernels.dequantize(p, q, self.k) for p, q in zip(self.parts, self.qtypes)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.parts)
