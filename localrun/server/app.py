@@ -4,8 +4,7 @@ The event loop only moves bytes: a request passes the access policy (guard: Host
 Content-Type), its body is read within a size and time limit (json_body), and everything
 heavier (JSON decoding, validation, chat template, tokenization) runs in one worker thread
 (`prepare`). The request then goes to the engine thread (`EngineLoop`) and the handler relays
-its events: as SSE chunks (sse-starlette) for streams, as one
-JSON body otherwise. Every response carries the request's `timings` (queue, prefill, TTFT,
+its events (responses): as SSE chunks (sse-starlette) for streams, as one JSON body otherwise. Every response carries the request's `timings` (queue, prefill, TTFT,
 decode speed, cached prompt tokens); streams carry them in the chunk with the finish reason.
 A client that goes away aborts its request, which frees its KV blocks at the next step.
 """
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -24,7 +22,6 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localrun.errors import UserError
@@ -34,6 +31,7 @@ from localrun.server.guard import AccessPolicy, RequestGuard
 from localrun.server.json_body import ClientGone, decode, read_body
 from localrun.server.metrics import ServerMetrics
 from localrun.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from localrun.server.responses import respond
 
 log = logging.getLogger("localrun.server")
 
@@ -57,17 +55,6 @@ class ServerConfig:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise UserError("the API key must not be empty; give a key or none")
-
-
-def timings_ms(t: dict) -> dict:
-    """A sequence's timings in the response's units: *_s durations become *_ms."""
-    out = {}
-    for key, value in t.items():
-        if key.endswith("_s") and not key.endswith("tok_s"):
-            out[key[:-2] + "_ms"] = None if value is None else round(value * 1000, 3)
-        else:
-            out[key] = round(value, 3) if isinstance(value, float) else value
-    return out
 
 
 class Server:
@@ -186,57 +173,6 @@ def check_sampling(body) -> None:
         raise APIError(400, str(e), param=e.field) from None
 
 
-def sse(events, shutdown: anyio.Event) -> EventSourceResponse:
-    return EventSourceResponse(events, ping=15, shutdown_event=shutdown, shutdown_grace_period=2)
-
-
-def usage(event: Event) -> dict:
-    t = event.timings or {}
-    return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_generated_tokens,
-            "total_tokens": event.num_prompt_tokens + event.num_generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": t.get("cached_tokens") or 0}}
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def next_event(sreq: ServerRequest, other: asyncio.Future) -> Event | None:
-    """The request's next event, or None when `other` finishes first. The getter task never
-    outlives the call (cancelled here, even when the caller is cancelled)."""
-    get = asyncio.ensure_future(sreq.events.get())
-    try:
-        await asyncio.wait({get, other}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not get.done():
-            get.cancel()
-    return get.result() if get.done() and not get.cancelled() else None
-
-
-async def collect(server: Server, http_request: Request, request: ServerRequest) -> tuple[str, Event]:
-    """Wait for a whole (non-streamed) completion; abort it if the client goes away."""
-    disconnect = asyncio.ensure_future(wait_for_disconnect(http_request))
-    pieces, finished = [], False
-    try:
-        while True:
-            event = await next_event(request, disconnect)
-            if event is None:
-                raise ClientGone(f"{request.request_id} client-disconnected prompt={len(request.prompt_ids)}")
-            if event.kind == "text":
-                pieces.append(event.text)
-            elif event.kind == "error":
-                finished = True
-                raise APIError(503, event.message, type="server_error", code="engine_error")
-            else:
-                finished = True
-                return "".join(pieces), event
-    finally:
-        disconnect.cancel()
-        if not finished:
-            server.loop.abort(request.request_id)
-
-
 def create_app(llm, config: ServerConfig) -> FastAPI:
     server = Server(llm, config)
 
@@ -323,84 +259,3 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     return app
 
 
-def choice(text: str | None, finish: str | None, *, chat: bool, stream: bool) -> dict:
-    """The one choice of either endpoint: chat carries its text in `message` (or a stream's
-    `delta`), completions in `text`. text None: a stream's final chunk, which has none."""
-    if not chat:
-        content = {"text": text or ""}
-    elif stream:
-        content = {"delta": {} if text is None else {"content": text}}
-    else:
-        content = {"message": {"role": "assistant", "content": text}}
-    return {"index": 0, **content, "finish_reason": finish, "logprobs": None}
-
-
-async def respond(server: Server, http_request: Request, body, sreq: ServerRequest, model: str, *,
-                  chat: bool, extra_timings: dict):
-    """The response to a submitted request of either endpoint: an SSE stream or one JSON body."""
-    created = int(time.time())
-    object_name = "chat.completion" if chat else "text_completion"
-    chunk_object = "chat.completion.chunk" if chat else "text_completion"
-
-    def timings(event: Event) -> dict:
-        return {**timings_ms(event.timings), **extra_timings}
-
-    def chunk(one_choice: dict, **extra) -> dict:
-        return {"data": json.dumps({"id": sreq.request_id, "object": chunk_object, "created": created,
-                                    "model": model, "choices": [one_choice], **extra})}
-
-    if body.stream:
-        first = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                       "logprobs": None}) if chat else None
-        events = stream_events(server, sreq, body, first,
-                               lambda text: chunk(choice(text, None, chat=chat, stream=True)),
-                               lambda ev: chunk(choice(None, ev.finish_reason, chat=chat, stream=True),
-                                                timings=timings(ev)),
-                               chunk_object, model, created, shutdown := anyio.Event())
-        return sse(events, shutdown)
-    text, event = await collect(server, http_request, sreq)
-    server.log_request(sreq, event, "ok")
-    return {"id": sreq.request_id, "object": object_name, "created": created, "model": model,
-            "choices": [choice(text, event.finish_reason, chat=chat, stream=False)],
-            "usage": usage(event), "timings": timings(event)}
-
-
-async def stream_events(server: Server, sreq: ServerRequest, body, first: dict | None, text_chunk,
-                        final_chunk, object_name: str, model: str, created: int, shutdown: anyio.Event):
-    """SSE events of one streamed completion. sse-starlette cancels this generator when the
-    client disconnects; `finally` then aborts the request. On server shutdown it sets
-    `shutdown`: the stream then ends with an error event and [DONE] instead of being cut."""
-    done = False
-    stop = asyncio.ensure_future(shutdown.wait())
-    try:
-        if first is not None:
-            yield first
-        while True:
-            event = await next_event(sreq, stop)
-            if event is None:
-                yield {"data": json.dumps(APIError(503, "the server is shutting down", type="server_error",
-                                                   code="server_shutdown").body())}
-                yield {"data": "[DONE]"}
-                return
-            if event.kind == "text":
-                yield text_chunk(event.text)
-            elif event.kind == "error":
-                done = True
-                yield {"data": json.dumps(APIError(503, event.message, type="server_error",
-                                                   code="engine_error").body())}
-                return
-            else:
-                done = True
-                server.log_request(sreq, event, "ok")
-                yield final_chunk(event)
-                if body.include_usage:
-                    yield {"data": json.dumps({"id": sreq.request_id, "object": object_name,
-                                               "created": created, "model": model, "choices": [],
-                                               "usage": usage(event)})}
-                yield {"data": "[DONE]"}
-                return
-    finally:
-        stop.cancel()
-        if not done:
-            server.loop.abort(sreq.request_id)
-            server.log_request(sreq, None, "aborted")
