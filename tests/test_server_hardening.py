@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import localrun.engine.model_runner as model_runner
+import localrun.server.engine_loop as engine_loop
 from localrun.api import LLM
 from localrun.server.app import ServerConfig, create_app
 from localrun.server.guard import AccessPolicy
@@ -320,7 +321,8 @@ def test_a_disconnect_storm_leaks_no_task_and_logs_no_traceback(served):
 
 
 # --- one request's sampling fault ----------------------------------------------------------------
-def test_a_sampling_fault_fails_only_its_own_request(url, monkeypatch):
+@pytest.mark.parametrize("where", ["sampling", "detokenizing"])
+def test_a_fault_in_one_request_fails_only_that_request(url, monkeypatch, where):
     real = model_runner.sample
 
     def sample(logits, params, generator, recent=()):
@@ -328,7 +330,22 @@ def test_a_sampling_fault_fails_only_its_own_request(url, monkeypatch):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, params, generator, recent)
 
-    monkeypatch.setattr(model_runner, "sample", sample)
+    class FaultyTextStream(engine_loop.TextStream):
+        def __init__(self, tokenizer, stop=()):
+            super().__init__(tokenizer, stop)
+            self.poisoned = "POISON" in stop
+
+        def feed(self, token_id):
+            if self.poisoned:
+                raise UnicodeError("a broken piece")
+            return super().feed(token_id)
+
+    if where == "sampling":
+        monkeypatch.setattr(model_runner, "sample", sample)
+        poison_body, message = chat("poison", seed=4242, temperature=1), "this request failed: RuntimeError"
+    else:
+        monkeypatch.setattr(engine_loop, "TextStream", FaultyTextStream)
+        poison_body, message = chat("poison", stop=["POISON"]), "this request failed: UnicodeError"
 
     async def stream(client, body):
         async with client.stream("POST", f"{url}{CHAT}", json={**body, "stream": True}) as r:
@@ -338,13 +355,13 @@ def test_a_sampling_fault_fails_only_its_own_request(url, monkeypatch):
         async with httpx.AsyncClient(timeout=60) as client:
             victims = [stream(client, chat(f"victim {i}", max_tokens=24, ignore_eos=True, temperature=0))
                        for i in range(6)]
-            poison = client.post(f"{url}{CHAT}", json=chat("poison", seed=4242, temperature=1))
+            poison = client.post(f"{url}{CHAT}", json=poison_body)
             return await asyncio.gather(poison, *victims)
 
     poison, *victims = asyncio.run(main())
-    assert poison.status_code == 503 and "this request failed: RuntimeError" in error_of(poison)["message"]
+    assert poison.status_code == 503 and message in error_of(poison)["message"]
     for status, events in victims:
         assert status == 200 and events[-1] == "[DONE]"
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert events[-2]["timings"]["generated_tokens"] == 24
-    assert wait_until(lambda: health(url)["kv_blocks_used"] == 0)
+    assert wait_until(lambda: health(url)["kv_blocks_used"] == 0 and health(url)["requests_in_flight"] == 0)
