@@ -44,7 +44,15 @@ def serving(app, port: int | None = None, **options):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2, **options))
     loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+
+    async def serve():
+        await server.serve()
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:        # e.g. sse-starlette's shutdown watcher, one per loop
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:

@@ -34,6 +34,12 @@ def llm(tiny_gguf):
 
 
 @pytest.fixture(scope="module")
+def llm2(tiny_gguf):
+    """For the servers a test starts beside `served`: one engine thread per engine."""
+    return LLM(tiny_gguf("F32", context_length=1024), dtype="float32", n_threads=1, n_parallel=8)
+
+
+@pytest.fixture(scope="module")
 def served(llm):
     with serving(create_app(llm, ServerConfig(MODEL)), **uvicorn_options()) as served:
         yield served
@@ -92,9 +98,9 @@ def test_non_json_bodies_are_415(url, content_type):
     assert r.status_code == 415 and error_of(r)["code"] == "unsupported_media_type"
 
 
-def test_allowed_origins_get_cors_and_preflight(llm):
+def test_allowed_origins_get_cors_and_preflight(llm2):
     policy = AccessPolicy(allowed_origins=("http://localhost:3000",), allowed_hosts=("myhost.lan",))
-    with running(create_app(llm, ServerConfig(MODEL, access=policy))) as url:
+    with running(create_app(llm2, ServerConfig(MODEL, access=policy))) as url:
         pre = httpx.options(f"{url}{CHAT}", headers={"origin": "http://localhost:3000",
                                                       "access-control-request-method": "POST",
                                                       "access-control-request-headers": "authorization, content-type"})
@@ -108,22 +114,22 @@ def test_allowed_origins_get_cors_and_preflight(llm):
                                                         "access-control-request-method": "POST"})
         assert other.status_code == 403
         assert post(url, chat(), headers={"host": "myhost.lan:8080"}).status_code == 200
-    with running(create_app(llm, ServerConfig(MODEL, access=AccessPolicy(allowed_origins=("*",))))) as url:
+    with running(create_app(llm2, ServerConfig(MODEL, access=AccessPolicy(allowed_origins=("*",))))) as url:
         r = post(url, chat(), headers={"origin": "https://anything.example"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
 
 
-def test_openapi_follows_the_api_key_and_docs_are_off(llm):
-    with running(create_app(llm, ServerConfig(MODEL, api_key="k1"))) as url:
+def test_openapi_follows_the_api_key_and_docs_are_off(llm2):
+    with running(create_app(llm2, ServerConfig(MODEL, api_key="k1"))) as url:
         assert httpx.get(f"{url}/openapi.json").status_code == 401
         assert httpx.get(f"{url}/openapi.json", headers={"authorization": "Bearer k1"}).status_code == 200
         assert httpx.get(f"{url}/docs").status_code == 404 and httpx.get(f"{url}/redoc").status_code == 404
 
 
 # --- API key ----------------------------------------------------------------------------------
-def test_api_keys_compare_as_utf8_bytes(llm):
+def test_api_keys_compare_as_utf8_bytes(llm2):
     key = "clé-🔑-ключ"
-    with running(create_app(llm, ServerConfig(MODEL, api_key=key))) as url:
+    with running(create_app(llm2, ServerConfig(MODEL, api_key=key))) as url:
         good = {"authorization": b"Bearer " + key.encode("utf-8")}
         assert httpx.get(f"{url}/v1/models", headers=good).status_code == 200
         assert httpx.get(f"{url}/v1/models", headers={"authorization": b"bearer " + key.encode()}).status_code == 200
@@ -226,9 +232,9 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     return False
 
 
-def test_slow_headers_slow_bodies_and_idle_connections_are_closed(llm):
+def test_slow_headers_slow_bodies_and_idle_connections_are_closed(llm2):
     config = ServerConfig(MODEL, body_timeout_s=0.5)
-    with running(create_app(llm, config), **uvicorn_options(header_timeout_s=0.5, keep_alive_s=0.5)) as url:
+    with running(create_app(llm2, config), **uvicorn_options(header_timeout_s=0.5, keep_alive_s=0.5)) as url:
         slowloris = raw_connection(url)
         slowloris.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         time.sleep(0.2)
