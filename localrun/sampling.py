@@ -1,6 +1,6 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p,
-repetition penalty, seeded. The order of the filters follows llama.cpp's default chain
-(penalties -> top-k -> top-p -> min-p -> temperature -> draw)."""
+repetition penalty, logit bias, seeded. The order of the filters follows llama.cpp's default
+chain (logit bias -> penalties -> top-k -> top-p -> min-p -> temperature -> draw)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +24,8 @@ TEMPERATURE_RANGE = (0.0, 2.0)
 REPEAT_PENALTY_RANGE = (0.01, 10.0)
 MIN_TEMPERATURE = 1e-6      # a positive temperature below this samples as this (float32 would overflow)
 SEED_MODULUS = 2 ** 64      # torch generators take a 64-bit seed; any integer is mapped into it
+LOGIT_BIAS_RANGE = (-100.0, 100.0)     # OpenAI's; -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class SamplingParams:
     seed: int | None = None         # any integer (taken modulo 2**64)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); a dict is accepted
     speculative: bool = True        # False: never draft for this request, even when the engine speculates
 
     def __post_init__(self):
@@ -52,10 +55,28 @@ class SamplingParams:
             _integer("seed", self.seed)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidSamplingParam("stop", "stop must be a sequence of non-empty strings")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """Sorted (token id, bias) pairs from a dict or pairs; ids are checked against the
+    vocabulary where it is known (the engine, the server)."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidSamplingParam("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                                                 f"got {len(pairs)}")
+    out = {}
+    for pair in pairs:
+        token_id, value = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise InvalidSamplingParam("logit_bias", f"logit_bias keys must be token ids, got {token_id!r}")
+        _number("logit_bias", value, *LOGIT_BIAS_RANGE)
+        out[token_id] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _integer(name: str, value, low: int | None = None) -> None:
@@ -132,6 +153,9 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
 
 
 def _penalized(logits: torch.Tensor, p: SamplingParams, recent) -> torch.Tensor:
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+        logits = logits.index_add(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
     if p.repeat_penalty != 1.0 and p.repeat_last_n:   # only then look at the history (per token)
         logits = apply_repeat_penalty(logits, list(recent[-p.repeat_last_n:]), p.repeat_penalty)
     return logits

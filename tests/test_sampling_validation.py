@@ -78,3 +78,29 @@ def test_a_huge_seed_generates_the_same_as_its_residue(llm):
     a = llm.generate("hello", max_tokens=6, temperature=1.0, seed=10**30, ignore_eos=True)
     b = llm.generate("hello", max_tokens=6, temperature=1.0, seed=10**30 % 2**64, ignore_eos=True)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+
+
+# --- logit_bias: OpenAI's field, token ids in the vocabulary and values in [-100, 100] ---------
+@pytest.mark.parametrize("bias", [{-1: 1}, {5: 101}, {5: math.nan}, {"5": 1}, {True: 1}, {i: 1 for i in range(1025)}],
+                         ids=["negative id", "value 101", "NaN", "string key", "bool key", "1025 tokens"])
+def test_bad_logit_bias_is_refused_by_name(bias):
+    with pytest.raises(InvalidSamplingParam, match="^logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_shifts_the_distribution_before_the_filters():
+    params = SamplingParams(temperature=0, logit_bias={4: 100, 0: -100})
+    assert params.logit_bias == ((0, -100.0), (4, 100.0))
+    assert sample(LOGITS, params, make_generator(0)) == 4
+    probs = probabilities(LOGITS, SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0, logit_bias={0: -100}))
+    assert float(probs[0]) < 1e-40 and abs(float(probs[1:].sum()) - 1) < 1e-6
+    # the others keep their ratios: 0.25 : 0.125 : 0.0625 : 0.0625
+    assert torch.allclose(probs[1:], torch.tensor([0.5, 0.25, 0.125, 0.125]), atol=1e-6)
+
+
+def test_logit_bias_in_the_python_api(llm):
+    forced = llm.generate("hello", max_tokens=5, temperature=0, ignore_eos=True, logit_bias={7: 100})
+    assert forced.token_ids == [7] * 5
+    with pytest.raises(ValueError, match="^logit_bias names token id 99999, outside the vocabulary"):
+        llm.generate("hello", max_tokens=2, logit_bias={99999: 1})
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished()

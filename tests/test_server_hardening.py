@@ -169,7 +169,10 @@ HOSTILE = [
     ("presence_penalty 3", chat(presence_penalty=3), 400, "presence_penalty"),
     ("presence_penalty 0.5", chat(presence_penalty=0.5), 400, "presence_penalty"),
     ("frequency_penalty 0", chat(frequency_penalty=0), 200, None),
-    ("logit_bias", chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("logit_bias", chat(logit_bias={"5": 10}), 200, None),
+    ("logit_bias out of vocab", chat(logit_bias={"99999": 10}), 400, "logit_bias"),
+    ("logit_bias key not an id", chat(logit_bias={"abc": 10}), 400, "logit_bias"),
+    ("logit_bias value 101", chat(logit_bias={"5": 101}), 400, "logit_bias"),
     ("best_of 2", chat(best_of=2), 400, "best_of"),
     ("n 2", chat(n=2), 400, "n"),
     ("n 1", chat(n=1), 200, None),
@@ -371,3 +374,11 @@ def test_a_fault_in_one_request_fails_only_that_request(url, monkeypatch, where)
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert events[-2]["timings"]["generated_tokens"] == 24
     assert wait_until(lambda: health(url)["kv_blocks_used"] == 0 and health(url)["requests_in_flight"] == 0)
+
+
+def test_logit_bias_forces_the_same_tokens_as_the_library(url, llm2):
+    r = post(url, {"prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                   "logit_bias": {"7": 100}}, path="/v1/completions")
+    assert r.status_code == 200, r.text
+    ref = llm2.generate("hello", max_tokens=5, temperature=0, ignore_eos=True, logit_bias={7: 100})
+    assert ref.token_ids == [7] * 5 and r.json()["choices"][0]["text"] == ref.text

@@ -27,7 +27,7 @@ from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.engine.speculative import SpeculativeConfig, make_speculator
 from localrun.errors import UserError
 from localrun.model.llama import Transformer
-from localrun.sampling import SamplingParams
+from localrun.sampling import InvalidSamplingParam, SamplingParams
 
 HOST_MEMORY_FRACTION = 0.25     # of available RAM, for layers on the CPU
 DEVICE_MEMORY_FRACTION = 0.5    # of free accelerator memory (the weights are already there)
@@ -144,6 +144,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < n_vocab]
         if bad:
             raise UserError(f"Token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1}).")
+        if params.logit_bias and params.logit_bias[-1][0] >= n_vocab:
+            raise InvalidSamplingParam("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}, "
+                                                     f"outside the vocabulary (0..{n_vocab - 1})")
         seq = Sequence(request_id, prompt_ids, params, arrival_time)
         if params.max_tokens == 0:      # nothing to compute: done as soon as it arrives
             if seq.timeline.arrival is None:

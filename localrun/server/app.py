@@ -99,7 +99,7 @@ class Server:
         body = parse(ChatCompletionRequest if chat else CompletionRequest, raw, decode(raw))
         body.refuse_unsupported()
         name = self.check_model(body.model)
-        check_sampling(body)       # before the costly part
+        check_sampling(body, self.llm.n_vocab)       # before the costly part
         if chat:
             prompt_ids, dropped = self.chat_prompt(body)
         else:
@@ -165,12 +165,15 @@ def context_body_bytes(llm) -> int:
     return llm.n_ctx * max(longest, 1) * JSON_BYTES_PER_TEXT_BYTE + JSON_OVERHEAD_BYTES
 
 
-def check_sampling(body) -> None:
+def check_sampling(body, n_vocab: int) -> None:
     """The sampling fields' ranges (SamplingParams's rule), as a 400 naming the field."""
     try:
-        SamplingParams(**body.sampling_kwargs())
+        params = SamplingParams(**body.sampling_kwargs())
     except InvalidSamplingParam as e:
         raise APIError(400, str(e), param=e.field) from None
+    if params.logit_bias and params.logit_bias[-1][0] >= n_vocab:
+        raise APIError(400, f"logit_bias names token id {params.logit_bias[-1][0]}, outside the vocabulary "
+                            f"(0..{n_vocab - 1})", param="logit_bias")
 
 
 def create_app(llm, config: ServerConfig) -> FastAPI:

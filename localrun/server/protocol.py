@@ -3,7 +3,7 @@
 Bodies are decoded within limits (json_body), checked for fields we cannot honour, then
 validated with pydantic; any failure becomes an `APIError` whose `body()` is the OpenAI error
 object `{"error": {"message", "type", "param", "code"}}`. Every OpenAI field we do not
-implement (n > 1, logprobs, logit_bias, tools, response_format, penalties other than
+implement (n > 1, logprobs, tools, response_format, penalties other than
 llama.cpp's repeat penalty, ...) is refused with a 400 naming it when it asks for something,
 rather than silently ignored; a field at its no-op value (n: 1, tools: []) passes. Fields no
 one defines are ignored, as OpenAI-compatible servers do. Sampling ranges are checked by
@@ -66,6 +66,7 @@ class _Sampling(_Body):
     repeat_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None     # token id (as a string, as OpenAI sends it) -> bias
     ignore_eos: bool = False
 
     def refuse_unsupported(self) -> None:
@@ -81,6 +82,8 @@ class _Sampling(_Body):
                if (v := getattr(self, k)) is not None}
         if self.stop is not None:
             out["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.logit_bias:
+            out["logit_bias"] = tuple((token_id(key), value) for key, value in self.logit_bias.items())
         out["ignore_eos"] = self.ignore_eos
         return out
 
@@ -121,6 +124,13 @@ class CompletionRequest(_Sampling):
         return p
 
 
+def token_id(key: str) -> int:
+    """A logit_bias key: a token id written as a string ("1234")."""
+    if not (key.isascii() and key.isdigit() and len(key) <= 12):
+        raise APIError(400, f"logit_bias keys must be token ids, got '{key[:20]}'", param="logit_bias")
+    return int(key)
+
+
 def _no_op(*values):
     return lambda v: v in (None, *values)
 
@@ -131,7 +141,6 @@ UNSUPPORTED = {
     "best_of": (_no_op(1), "best_of is not supported; send one request per completion"),
     "logprobs": (_no_op(False, 0), "logprobs are not supported"),
     "top_logprobs": (_no_op(0), "top_logprobs are not supported"),
-    "logit_bias": (_no_op({}), "logit_bias is not supported"),
     "tools": (_no_op([]), "tools (function calling) are not supported"),
     "tool_choice": (_no_op("none"), "tool_choice is not supported; this server does not call tools"),
     "functions": (_no_op([]), "functions (function calling) are not supported"),
