@@ -17,7 +17,7 @@ from localrun.engine.paged_kv import PagedKVCache
 from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
 from localrun.engine.speculative import verify_draft
-from localrun.model.llama import Segment, Transformer
+from localrun.model.llama import PagedRows, Segment, Transformer
 from localrun.sampling import SamplingParams, make_generator, sample
 
 DEFAULT_PARAMS = SamplingParams()
@@ -74,7 +74,30 @@ class ModelRunner:
         tokens = torch.tensor(batch.input_token_ids(), dtype=torch.long, device=device)    # (T,)
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=device)       # (T,)
         rows = torch.tensor(batch.sample_indices(), dtype=torch.long, device=device)       # (S,)
-        return self.model(tokens, positions, self.segments(batch), rows, decode_rows=num_decode_rows(batch))
+        num_rows = num_decode_rows(batch)
+        return self.model(tokens, positions, self.segments(batch), rows, decode_rows=num_rows,
+                          paged=self.paged_rows(batch, num_rows))
+
+    def paged_rows(self, batch: Batch, num_rows: int) -> PagedRows | None:
+        """The leading decode and verify rows' metadata for the paged attention kernel, where
+        the model runs localrun's kernels on the CPU over a float32 pool; else None."""
+        if not num_rows or not getattr(self.model, "fused", False) or not self.kv_cache.supports_paged_attention:
+            return None
+        entries = batch.entries[:next((i for i, e in enumerate(batch.entries) if e.is_prefill), len(batch.entries))]
+        bs = self.kv_cache.block_size
+        width = max(len(e.seq.block_table) for e in entries)
+        tables = torch.zeros(len(entries), width, dtype=torch.long)
+        slots, row_seq, row_len = [], [], []
+        for i, e in enumerate(entries):
+            table = e.seq.block_table
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+            for p in range(e.start_position, e.start_position + e.num_new_tokens):
+                slots.append(table[p // bs] * bs + p % bs)
+                row_seq.append(i)
+                row_len.append(p + 1)
+        assert len(slots) == num_rows
+        return PagedRows(num_rows, torch.tensor(slots), tables, torch.tensor(row_seq), torch.tensor(row_len), bs,
+                         self.kv_cache.float_pools)
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int] | Exception]:
         """Per sampling entry, in entry order (what Scheduler.postprocess takes): one token id,

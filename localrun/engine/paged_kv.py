@@ -229,6 +229,16 @@ class PagedKVCache:
         self._named_block_tensors: dict[str, torch.Tensor] | None = None
 
     @property
+    def supports_paged_attention(self) -> bool:
+        """Whether localrun::paged_attention can read this pool in place: float32 values on the CPU."""
+        return self.kv_type == "f32" and all(d.type == "cpu" for d in self.devices)
+
+    def float_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's K and V values, (num_blocks * block_size, n_kv, hd), for the paged kernel."""
+        k_store, v_store = self.layers[layer]
+        return k_store.data, v_store.data
+
+    @property
     def num_bytes(self) -> int:
         """Bytes the pool occupies once every slot is written, scales included."""
         return sum(t.numel() * t.element_size()

@@ -22,6 +22,8 @@ COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "
 X86 = os.uname().machine in ("x86_64", "AMD64")
 SOURCES = {   # file -> extra flags
     "ops.cpp": [],
+    "small_ops.cpp": [],
+    "paged_attention.cpp": [],
     "qmatmul_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else None,
     "qmatmul_avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
     if X86 else None,

@@ -7,7 +7,12 @@ memory grows only by the pages a forward touches, and processes share the page c
   verify rows give bit-identical results whatever else shares the step.
 - Prompt rows go through the same kernel in small numbers; from PROMPT_GEMM_MIN_ROWS rows on,
   the weight is dequantized to float32 for the call and multiplied by torch's GEMM, which is
-  several times faster there (docs/kernels.md has the figures per CPU).
+  several times faster there (docs/kernels.md has the figures per CPU). The GEMM's activations
+  are first rounded to the kernel's 8-bit blocks, so both paths compute the same function (the
+  file's weights times 8-bit activations, as llama.cpp does) and differ by float rounding only:
+  a prompt split into other chunks (a prefix cache hit, a restart from the disk cache) gives
+  the same greedy text, where float32 activations in one path and 8-bit ones in the other
+  differed by about 1e-3 and flipped near-ties.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ class GGUFWeight:
         flat = x.reshape(-1, self.k).float()
         d = min(decode_rows, flat.shape[0])
         if flat.shape[0] - d >= PROMPT_GEMM_MIN_ROWS:
-            prompt = F.linear(flat[d:], self.dequantize())
+            prompt = F.linear(kernels.quantize_activations(flat[d:]), self.dequantize())
             y = prompt if d == 0 else torch.cat([kernels.qmatmul(flat[:d], self.parts, self.qtypes), prompt])
         else:
             y = kernels.qmatmul(flat, self.parts, self.qtypes)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localrun import kernels
 from localrun.config import ModelConfig
 from localrun.model.quant import FileTensor, Int8Weight, PlainWeight, int8_backend, make_embedding, make_weight
 from localrun.placement import DeviceMap, all_on
@@ -35,6 +36,21 @@ class Segment:
     cache_start: int
     cache: object          # has .update(layer, start, k, v) -> (k_all, v_all), (n_kv, L, hd)
     rowwise: bool = False
+
+
+@dataclass
+class PagedRows:
+    """The leading decode and verify rows of a batch (one query each over its own prefix),
+    attended in one kernel call per layer straight from a float32 KV pool
+    (localrun::paged_attention), with no gather and no loop over sequences. Built once per
+    forward by the model runner; the rows' own segments are then skipped."""
+    num_rows: int
+    slots: torch.Tensor           # (T,) where each row's K/V is written
+    block_tables: torch.Tensor    # (S, max_blocks) int64, padded
+    row_seq: torch.Tensor         # (T,) the row's sequence: a row of block_tables
+    row_len: torch.Tensor         # (T,) keys the row sees: its position + 1
+    block_size: int
+    pools: object                 # layer -> (k_pool, v_pool), each (num_blocks * block_size, n_kv, hd)
 
 
 def rope_table(config: ModelConfig, max_positions: int, rope_freqs: torch.Tensor | None) -> torch.Tensor:
@@ -59,11 +75,14 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, fused: bool = False):
         super().__init__()
         self.weight, self.eps = weight, eps        # weight float32 (D,)
+        self.fused = fused and weight.device.type == "cpu"     # localrun's one-call kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dtype == torch.float32 and x.dim() == 2:
+            return torch.ops.localrun.rms_norm(x, self.weight, self.eps)
         if x.dtype != torch.float32:                                     # normalize in float32
             return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -75,12 +94,23 @@ class Attention(nn.Module):
         self.wqkv, self.wo, self.layer = wqkv, wo, layer   # (q+2kv dims, D), (D, q dims)
         self.n_head, self.n_head_kv, self.head_dim = config.n_head, config.n_head_kv, config.head_dim
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment], decode_rows: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment], decode_rows: int = 0,
+                paged: PagedRows | None = None) -> torch.Tensor:
         T, H, n_kv = x.shape[0], self.n_head, self.n_head_kv
         qkv = self.wqkv(x, decode_rows).view(T, H + 2 * n_kv, self.head_dim)          # (T, H + 2 n_kv, hd)
         q, k = apply_rope(qkv[:, :H + n_kv], freqs).split([H, n_kv], dim=1)   # q and k rotated at once
         v = qkv[:, H + n_kv:]                                             # (T, n_kv, hd)
-        if len(segments) == 1:
+        if paged is not None:
+            n = paged.num_rows
+            k_pool, v_pool = paged.pools(self.layer)
+            out = torch.ops.localrun.paged_attention(q[:n], k[:n], v[:n], k_pool, v_pool, paged.slots,
+                                                      paged.block_tables, paged.row_seq, paged.row_len,
+                                                      paged.block_size)          # (n, H, hd)
+            rest = [s for s in segments if s.start >= n]
+            if rest:
+                out = torch.cat([out] + [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
+                                                      v[s.start:s.start + s.length], s) for s in rest])
+        elif len(segments) == 1:
             out = self._attend(q, k, v, segments[0])
         else:
             out = torch.cat([self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
@@ -111,12 +141,16 @@ def sdpa(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w13, w2):
+    def __init__(self, w13, w2, fused: bool = False):
         super().__init__()
         self.w13, self.w2 = w13, w2        # (2*F, D) gate then up, (D, F)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
-        gate, up = self.w13(x, decode_rows).chunk(2, dim=-1)
+        gate_up = self.w13(x, decode_rows)                                   # (T, 2F)
+        if self.fused and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            return self.w2(torch.ops.localrun.silu_mul(gate_up), decode_rows)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate).mul_(up), decode_rows)
 
 
@@ -147,19 +181,25 @@ class WeightBuilder:
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, build: WeightBuilder, layer: int, device: str = "cpu", group: int = -1):
+    def __init__(self, config: ModelConfig, build: WeightBuilder, layer: int, device: str = "cpu", group: int = -1,
+                 fused: bool = False):
         super().__init__()
         p = f"blk.{layer}."
         self.device, self.group = torch.device(device), group
         wqkv = build.linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], device)
         w13 = build.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], device)
-        self.attention_norm = RMSNorm(build.vector(p + "attn_norm.weight", device), config.rms_eps)
+        self.fused = fused and self.device.type == "cpu"     # localrun's fused small ops (kernels)
+        self.attention_norm = RMSNorm(build.vector(p + "attn_norm.weight", device), config.rms_eps, self.fused)
         self.attention = Attention(config, wqkv, build.linear([p + "attn_output.weight"], device), layer)
-        self.ffn_norm = RMSNorm(build.vector(p + "ffn_norm.weight", device), config.rms_eps)
-        self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device))
+        self.ffn_norm = RMSNorm(build.vector(p + "ffn_norm.weight", device), config.rms_eps, self.fused)
+        self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device), self.fused)
 
-    def forward(self, x, freqs, segments, decode_rows: int = 0):
-        h = x + self.attention(self.attention_norm(x), freqs, segments, decode_rows)
+    def forward(self, x, freqs, segments, decode_rows: int = 0, paged: PagedRows | None = None):
+        attn = self.attention(self.attention_norm(x), freqs, segments, decode_rows, paged)
+        if self.fused and attn.dtype == torch.float32:       # h = x + attn and its norm in one call
+            h, normed = torch.ops.localrun.add_rms_norm(x, attn, self.ffn_norm.weight, self.ffn_norm.eps)
+            return h + self.feed_forward(normed, decode_rows)
+        h = x + attn
         return h + self.feed_forward(self.ffn_norm(h), decode_rows)
 
 
@@ -175,11 +215,13 @@ class Transformer(nn.Module):
         self.device_map = dm = device_map or all_on("cpu", config.n_layers)
         assert len(dm.layer_devices) == config.n_layers
         build = WeightBuilder(weights, self.dtype, quantized)
+        fused = quantized and kernels.available()      # the reference path keeps torch's ops
+        self.fused = fused and all(torch.device(d).type == "cpu" for d in dm.layer_devices)
         self.tok_embeddings = build.embedding("token_embd.weight", dm.embedding_device)   # (V, D)
         self.output = self._head(build, dm)                                              # (V, D)
-        self.layers = nn.ModuleList(Block(config, build, i, dm.layer_devices[i], dm.layer_groups[i])
+        self.layers = nn.ModuleList(Block(config, build, i, dm.layer_devices[i], dm.layer_groups[i], fused)
                                     for i in range(config.n_layers))
-        self.norm = RMSNorm(build.vector("output_norm.weight", dm.head_device), config.rms_eps)
+        self.norm = RMSNorm(build.vector("output_norm.weight", dm.head_device), config.rms_eps, fused)
         self.head_device, self.head_group = torch.device(dm.head_device), dm.head_group
         self.embedding_group = dm.embedding_group
         rope_freqs = build.vector("rope_freqs.weight", "cpu") if "rope_freqs.weight" in weights else None
@@ -202,10 +244,12 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                logits_rows: torch.Tensor | None = None, decode_rows: int = 0) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None, decode_rows: int = 0,
+                paged: PagedRows | None = None) -> torch.Tensor:
         """tokens, positions (T,) -> float32 logits (len(logits_rows) or T, V).
         decode_rows: the leading rows that are decode or verify rows (one query each): the
-        quantized weights compute them the same way whatever else is in the batch."""
+        quantized weights compute them the same way whatever else is in the batch.
+        paged: those rows' attention metadata, when the KV pool allows the paged kernel."""
         x = self.tok_embeddings.rows(tokens).to(self.dtype)                   # (T, D)
         freqs = self.freqs[positions]                                        # (T, hd/2)
         group = self.embedding_group
@@ -213,7 +257,7 @@ class Transformer(nn.Module):
             if layer.group != group:
                 x, freqs = self.cross(x, freqs, layer.device)
                 group = layer.group
-            x = layer(x, freqs, segments, decode_rows)
+            x = layer(x, freqs, segments, decode_rows, paged)
         if self.head_group != group:
             x, freqs = self.cross(x, freqs, self.head_device)
         if logits_rows is not None:

@@ -2,6 +2,7 @@
 //   qmatmul(x, weights, qtypes) -> y      x (M, K) float32; weights: GGUF rows (N_i, row bytes) uint8,
 //                                         used in place; y (M, sum N_i) float32 = x @ [W_0; W_1; ...].T
 //   dequantize(w, qtype, k) -> (N, K) float32
+//   quantize_activations(x) -> x as the integer kernel sees it (8-bit blocks of 32, dequantized)
 //   isa() -> str                          the instruction set the kernels dispatch to
 // The instruction set is chosen once from the CPU's features, or forced with LOCALRUN_ISA=
 // avx512|avx2|ref. Work is split over weight rows with at::parallel_for (torch's thread pool).
@@ -129,6 +130,20 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     return y;
 }
 
+// x rounded through the activation format: d * q per 32 values, as the integer kernel sees x.
+at::Tensor quantize_activations(const at::Tensor& x_in) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "localrun::quantize_activations: x must be (M, K) float32");
+    const at::Tensor x = x_in.contiguous();
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % 32 == 0, "localrun::quantize_activations: K must be a multiple of 32, got ", K);
+    at::Tensor qs = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / 32}, x.options());
+    at::Tensor s = at::empty({M, K / 16}, x.options().dtype(at::kInt));
+    at::Tensor dxv = at::empty({M, K / 32, 8}, x.options()), sxv = at::empty({M, K / 32, 8}, x.options());
+    quantize(x.data_ptr<float>(), M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(),
+             dxv.data_ptr<float>(), sxv.data_ptr<float>());
+    return qs.to(at::kFloat).view({M, K / 32, 32}).mul_(d.view({M, K / 32, 1})).view({M, K});
+}
+
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
                 "localrun::dequantize: w must be contiguous (N, row bytes) uint8");
@@ -155,10 +170,12 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
 TORCH_LIBRARY(localrun, m) {
     m.def("qmatmul(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
     m.def("dequantize(Tensor w, int qtype, int k) -> Tensor");
+    m.def("quantize_activations(Tensor x) -> Tensor");
     m.def("isa() -> str", [] { return localrun::isa_name(); });
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
     m.impl("qmatmul", &localrun::qmatmul);
     m.impl("dequantize", &localrun::dequantize);
+    m.impl("quantize_activations", &localrun::quantize_activations);
 }

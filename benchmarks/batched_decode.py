@@ -1,0 +1,149 @@
+"""Batched decode: aggregate decode tokens/s at 1, 2, 4, 8, 16 and 32 sequences, each with a
+256-token context, for localrun's engine and for llama.cpp's multi-sequence batch (one
+`llama_decode` of S tokens per step, low-level llama-cpp-python API, n_seq_max >= S), same
+model, same threads, same run. Both sample greedily (argmax of every sequence's logits).
+
+Per engine and S: prefill the S prompts (distinct token ids from real text, no shared prefix),
+then time --steps decode steps; aggregate = S * steps / seconds. Best of --repeats.
+Keys: aggregate_S_over_1 (localrun's scaling), vs_llamacpp_S (localrun / llama.cpp at S).
+Prints a table, then one JSON object as the last line."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import CORPUS  # noqa: E402
+
+
+def prompts(llm, n: int, length: int) -> list[list[int]]:
+    ids = llm.tokenize(CORPUS, add_special=False)
+    while len(ids) < n * length + 1:
+        ids += ids
+    return [ids[i * length:(i + 1) * length] for i in range(n)]   # distinct windows of the text
+
+
+def bench_localrun(llm, batch: list[list[int]], steps: int) -> float:
+    from localrun.engine.llm_engine import LLMEngine
+    from localrun.sampling import SamplingParams
+    engine = LLMEngine(llm.model, max_model_len=len(batch[0]) + steps + 8, max_num_seqs=len(batch),
+                       max_num_batched_tokens=2048, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch)]
+    while any(not s.generated_token_ids for s in seqs):       # every prompt prefilled
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return len(batch) * steps / (time.perf_counter() - t0)
+
+
+class LlamaCppBatch:
+    """llama.cpp's own multi-sequence decoding: one context with n_seq_max sequences."""
+
+    def __init__(self, path: Path, n_seq: int, n_ctx_seq: int, threads: int):
+        import llama_cpp as lc
+        self.lc = lc
+        mparams = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_seq * n_ctx_seq
+        cparams.n_batch = cparams.n_ubatch = 512
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = True
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(512, 0, n_seq)
+
+    def decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, position, sequence, wants logits)."""
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (token, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        assert self.lc.llama_decode(self.ctx, b) == 0
+
+    def argmax(self, i: int) -> int:
+        row = self.lc.llama_get_logits_ith(self.ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)),
+                                                    shape=(self.n_vocab,))))
+
+    def run(self, batch: list[list[int]], steps: int) -> float:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        next_tokens = []
+        for s, p in enumerate(batch):                          # prefill, in chunks of 512
+            for start in range(0, len(p), 512):
+                chunk = p[start:start + 512]
+                self.decode([(t, start + j, s, start + j == len(p) - 1) for j, t in enumerate(chunk)])
+            next_tokens.append(self.argmax(len(chunk) - 1))
+        pos = len(batch[0])
+        t0 = time.perf_counter()
+        for step in range(steps):
+            self.decode([(t, pos + step, s, True) for s, t in enumerate(next_tokens)])
+            next_tokens = [self.argmax(i) for i in range(len(batch))]
+        return len(batch) * steps / (time.perf_counter() - t0)
+
+    def close(self):
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    from localrun import LLM, kernels
+    from localrun.cpu_info import cpu_info
+    from localrun.models import resolve_model
+
+    torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    path = resolve_model(args.model)
+    llm = LLM(path, n_ctx=args.context + args.steps + 8, n_threads=args.threads)
+    peer = LlamaCppBatch(path, max(sizes), args.context + args.steps + 8, args.threads)
+    work = prompts(llm, max(sizes), args.context)
+    bench_localrun(llm, work[:2], 2)                           # warm-up both
+    peer.run(work[:2], 2)
+    best = {"localrun": {}, "llama.cpp": {}}
+    for _ in range(args.repeats):
+        for s in sizes:
+            best["llama.cpp"][s] = max(best["llama.cpp"].get(s, 0), peer.run(work[:s], args.steps))
+            best["localrun"][s] = max(best["localrun"].get(s, 0), bench_localrun(llm, work[:s], args.steps))
+    peer.close()
+
+    print(f"model {path.name}, {args.threads} threads, context {args.context}, {args.steps} decode steps, "
+          f"best of {args.repeats}, kernels {kernels.isa()}")
+    print("| sequences | localrun tok/s | llama.cpp tok/s | localrun / llama.cpp | localrun S / 1 |")
+    print("|---|---|---|---|---|")
+    result = {"benchmark": "batched_decode", "cpu": cpu_info(), "model": path.name, "threads": args.threads,
+              "context": args.context, "steps": args.steps, "kernels": kernels.isa()}
+    for s in sizes:
+        ours, theirs = best["localrun"][s], best["llama.cpp"][s]
+        print(f"| {s} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {ours / best['localrun'][1]:.2f}x |")
+        result[f"localrun_tok_s_{s}"] = round(ours, 1)
+        result[f"llamacpp_tok_s_{s}"] = round(theirs, 1)
+        result[f"aggregate_{s}_over_1"] = round(ours / best["localrun"][1], 3)
+        result[f"llamacpp_aggregate_{s}_over_1"] = round(theirs / best["llama.cpp"][1], 3)
+        result[f"vs_llamacpp_{s}"] = round(ours / theirs, 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
