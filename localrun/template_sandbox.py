@@ -23,6 +23,7 @@ from functools import wraps
 import jinja2
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_INT_BITS = 4096
@@ -81,12 +82,23 @@ class _CodeGenerator(CodeGenerator):
         self.write("))")
 
 
+class _GenerationTag(Extension):
+    """Hugging Face's `{% generation %}...{% endgeneration %}` (it marks the assistant's part for
+    training masks): rendered as its body, so templates that use it still compile."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"+", "*", "%", "**"})
     code_generator_class = _CodeGenerator
 
     def __init__(self, max_chars: int):
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
         self.max_chars = max_chars
         self.filters = {name: self._bounded_filter(name, f) for name, f in self.filters.items()}
         self.globals.pop("lipsum", None)

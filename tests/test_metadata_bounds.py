@@ -99,3 +99,13 @@ def test_tensor_shape_must_match_metadata(tmp_path):
     with pytest.raises(UserError, match=r"tensor 'blk.0.ffn_gate.weight' has shape \[256, 512\]; the metadata says "
                                         r"\[256, 256\]"):
         open_gguf(path)
+
+
+def test_tokenizer_refuses_huge_text_in_one_sentence(tmp_path):
+    """The buffer llama.cpp writes ids into is sized by the text (never by the file's trained
+    context), and a text past any context is refused before llama.cpp sees it."""
+    from localrun.tokenizer import MAX_TEXT_BYTES, Tokenizer
+    tok = Tokenizer(write_tiny_llama(tmp_path / "ctx.gguf", tensor_type="F32", context_length=1 << 28))
+    assert tok.decode(tok.encode("the fox and the dog " * 50, add_special=False)) == "the fox and the dog " * 50
+    with pytest.raises(UserError, match=f"is too long to tokenize \\(the limit is {MAX_TEXT_BYTES:,}\\)"):
+        tok.encode("x" * (MAX_TEXT_BYTES + 1))

@@ -64,6 +64,12 @@ def test_real_templates_pass_the_check():
     assert check_template(CHATML) is None
 
 
+def test_hugging_face_generation_tag_renders_its_body():
+    template = "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+    assert check_template(template) is None
+    assert render_chat(template, HELLO) == "[Hello!]"
+
+
 def test_limits_apply_to_each_render():
     """A template fine on the samples can still go past a limit on a user's messages: a UserError."""
     quadratic = ("{% for m in messages %}{% for a in m.content %}{% for b in m.content %}{% endfor %}{% endfor %}"
