@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_INT_BITS = 4096
 BUDGET_FACTOR = 16        # values built in one render, in multiples of the output limit
-_WIDTH = re.compile(r"%[-+ #0]*(\d+|\*)?(?:\.(\d+|\*))?|\{[^{}]*\}")
+_WIDTH = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d+|\*)?(?:\.(\d+|\*))?|\{[^{}]*\}")   # %-specs, {}-fields
 _DIGITS = re.compile(r"\d+")
 
 

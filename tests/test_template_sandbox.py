@@ -30,6 +30,7 @@ HOSTILE = [   # (template, fragment of the refusal)
     ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
      "joins strings past the limit"),
     ("{{ '%0999999999d' % 1 }}", "formats with % width 0999999999"),
+    ("{{ '%(a)999999999s' % {'a': 1} }}", "formats with % width 999999999"),
     ("{{ '{:>999999999}'.format(1) }}", "formats with format width 999999999"),
     ("{{ 'x'|center(999999999) }}", "passes the center filter the number 999999999"),
     ("{{ ('x' * 100000).replace('x', 'y' * 100) }}", "replace() would build 10,000,000 characters"),
