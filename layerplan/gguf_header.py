@@ -31,11 +31,19 @@ _MIN_KV_BYTES = 8 + 4 + 1            # key length, value type, the smallest valu
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dimension, type, offset
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """A name read from a file, safe to put in a one-line message: control characters escaped,
+    long names cut."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class GGUFFormatError(ValueError):
     """The file is not a GGUF file this reader understands; str() is one sentence naming the
     file, `detail` the clause that says what is wrong."""
 
     def __init__(self, detail: str, name: str | None = None):
+        detail = shown(detail, limit=1000)     # names in it come from the file
         self.detail = detail
         super().__init__(f"{name} is not a valid GGUF file: {detail}" if name else detail)
 
@@ -69,6 +77,7 @@ class GGUFHeader:
     data_offset: int         # where tensor data starts in the file
     file_bytes: int
     value_types: dict | None = None   # key -> GGUF value type id (for arrays: (9, item type id))
+    value_offsets: dict | None = None  # key -> where its value starts in the file (see read_array)
 
     @property
     def architecture(self) -> str:
@@ -83,8 +92,9 @@ class _Cursor:
     """Reads little-endian fields from `buf`, checking every length against the bytes left
     before it unpacks, slices or allocates anything."""
 
-    def __init__(self, buf, end: int):
+    def __init__(self, buf, end: int, *, keep_all: bool = False, raw_strings: bool = False):
         self.buf, self.pos, self.end = buf, 0, end
+        self.keep_all, self.raw_strings = keep_all, raw_strings   # long arrays in full; strings as bytes
 
     @property
     def left(self) -> int:
@@ -106,6 +116,8 @@ class _Cursor:
     def string(self, what: str) -> str:
         n = self.unpack("Q", what)
         start = self.take(n, what)
+        if self.raw_strings:
+            return bytes(self.buf[start:start + n])
         try:
             return bytes(self.buf[start:start + n]).decode("utf-8")
         except UnicodeDecodeError:
@@ -135,10 +147,10 @@ class _Cursor:
         if item_type in _SCALAR:
             size = _MIN_BYTES[item_type]
             start = self.take(n * size, what)
-            if n > KEEP_ARRAY_MAX:
+            if n > KEEP_ARRAY_MAX and not self.keep_all:
                 return LongArray(n, item_type)
             return list(struct.unpack_from(f"<{n}{_SCALAR[item_type]}", self.buf, start))
-        if n > KEEP_ARRAY_MAX:
+        if n > KEEP_ARRAY_MAX and not self.keep_all:
             for _ in range(n):
                 if item_type == _STRING:
                     self.skip_string(what)
@@ -179,20 +191,21 @@ def _parse(path: Path, buf, file_bytes: int) -> GGUFHeader:
     if n_tensors > cur.left // _MIN_TENSOR_INFO_BYTES:
         raise GGUFFormatError(f"the header ends early: it claims {n_tensors:,} tensors, more than the file's "
                               f"{file_bytes:,} bytes can hold")
-    metadata, value_types = {}, {}
+    metadata, value_types, value_offsets = {}, {}, {}
     for i in range(n_kv):
         key = cur.string(f"metadata key {i + 1}")
         if key in metadata:
-            raise GGUFFormatError(f"metadata key '{key}' appears twice")
-        type_id = cur.unpack("I", f"the type of '{key}'")
+            raise GGUFFormatError(f"metadata key '{shown(key)}' appears twice")
+        type_id = cur.unpack("I", f"the type of '{shown(key)}'")
         start = cur.pos
-        metadata[key] = cur.value(type_id, f"the value of '{key}'")
+        metadata[key] = cur.value(type_id, f"the value of '{shown(key)}'")
         value_types[key] = (type_id, struct.unpack_from("<I", buf, start)[0]) if type_id == _ARRAY else type_id
+        value_offsets[key] = start
     infos = [_tensor_info(cur, i) for i in range(n_tensors)]
     names = set()
     for info in infos:
         if info.name in names:
-            raise GGUFFormatError(f"tensor '{info.name}' appears twice")
+            raise GGUFFormatError(f"tensor '{shown(info.name)}' appears twice")
         names.add(info.name)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if (type(alignment) is not int or not 1 <= alignment <= MAX_ALIGNMENT
@@ -200,27 +213,41 @@ def _parse(path: Path, buf, file_bytes: int) -> GGUFHeader:
         raise GGUFFormatError(f"general.alignment is {alignment!r}; it must be a power of two up to {MAX_ALIGNMENT:,}")
     data_offset = (cur.pos + alignment - 1) // alignment * alignment
     _check_tensor_data(infos, alignment, data_offset, file_bytes)
-    return GGUFHeader(path, version, metadata, tuple(infos), data_offset, file_bytes, value_types)
+    return GGUFHeader(path, version, metadata, tuple(infos), data_offset, file_bytes, value_types, value_offsets)
+
+
+def read_array(header: GGUFHeader, key: str, *, raw_strings: bool = False) -> list:
+    """The whole of metadata array `key` (the header keeps only the length of long ones, such as
+    the vocabulary); strings as bytes with raw_strings. Bounded like every other read."""
+    assert header.value_types.get(key, (None,))[0] == _ARRAY, f"{key} is not an array"
+    with open(header.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf, min(len(buf), header.file_bytes), keep_all=True, raw_strings=raw_strings)
+        cur.pos = header.value_offsets[key]
+        try:
+            return cur.array(f"the value of '{shown(key)}'", 0)
+        except GGUFFormatError as err:
+            raise GGUFFormatError(err.detail, header.path.name) from None
 
 
 def _tensor_info(cur: _Cursor, i: int) -> TensorInfo:
     name = cur.string(f"the name of tensor {i + 1}")
-    what = f"the info of tensor '{name}'"
+    name_shown = shown(name)
+    what = f"the info of tensor '{name_shown}'"
     n_dims = cur.unpack("I", what)
     if not 1 <= n_dims <= MAX_DIMS:
-        raise GGUFFormatError(f"tensor '{name}' has {n_dims} dimensions; GGUF tensors have 1 to {MAX_DIMS}")
+        raise GGUFFormatError(f"tensor '{name_shown}' has {n_dims} dimensions; GGUF tensors have 1 to {MAX_DIMS}")
     shape = tuple(cur.unpack("Q", what) for _ in range(n_dims))
     n_elements = 1
     for dim in shape:
         n_elements *= dim
     if n_elements == 0 or n_elements >= 2**63:
-        raise GGUFFormatError(f"tensor '{name}' has shape {list(shape)}, which holds no data or more than ggml can index")
+        raise GGUFFormatError(f"tensor '{name_shown}' has shape {list(shape)}, which holds no data or more than ggml can index")
     type_id, offset = cur.unpack("I", what), cur.unpack("Q", what)
     ggml_type = GGML_TYPES.get(type_id)
     if ggml_type is None:
-        raise GGUFFormatError(f"tensor '{name}' has unknown type id {type_id}")
+        raise GGUFFormatError(f"tensor '{name_shown}' has unknown type id {type_id}")
     if shape[0] % ggml_type.block_size:
-        raise GGUFFormatError(f"tensor '{name}' has rows of {shape[0]:,} values, which do not fill "
+        raise GGUFFormatError(f"tensor '{name_shown}' has rows of {shape[0]:,} values, which do not fill "
                               f"{ggml_type.name} blocks of {ggml_type.block_size}")
     return TensorInfo(name, shape, type_id, offset, tensor_bytes(type_id, shape))
 
@@ -229,13 +256,13 @@ def _check_tensor_data(infos: list[TensorInfo], alignment: int, data_offset: int
     """Every tensor's bytes lie inside the file, aligned, and no two tensors share bytes."""
     for info in infos:
         if info.offset % alignment:
-            raise GGUFFormatError(f"tensor '{info.name}' starts at offset {info.offset:,}, which is not "
+            raise GGUFFormatError(f"tensor '{shown(info.name)}' starts at offset {info.offset:,}, which is not "
                                   f"a multiple of the alignment {alignment}")
         end = data_offset + info.offset + info.n_bytes
         if end > file_bytes:
-            raise GGUFFormatError(f"it is truncated: tensor '{info.name}' ends at byte {end:,}, past the "
+            raise GGUFFormatError(f"it is truncated: tensor '{shown(info.name)}' ends at byte {end:,}, past the "
                                   f"end of the file at byte {file_bytes:,}")
     by_offset = sorted(infos, key=lambda t: t.offset)
     for before, after in zip(by_offset, by_offset[1:]):
         if before.offset + before.n_bytes > after.offset:
-            raise GGUFFormatError(f"tensors '{before.name}' and '{after.name}' overlap in the file")
+            raise GGUFFormatError(f"tensors '{shown(before.name)}' and '{shown(after.name)}' overlap in the file")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray
+from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray, shown
 from layerplan.gguf_values import (REQUIRED, MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, arch_float,
                                    arch_int, arch_ints_per_layer, meta_int)
 from localrun.chat_template import check_template
@@ -62,7 +62,7 @@ class ModelConfig:
         md, where = header.metadata, header.path.name
         arch = md.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise UserError(f"{where}: architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise UserError(f"{where}: architecture '{shown(str(arch))}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         n_layers = arch_int(header, "block_count", low=1, high=MAX_LAYERS)
         n_embd = arch_int(header, "embedding_length", low=1, high=MAX_WIDTH)
         n_head = _same_in_every_layer(header, "attention.head_count", n_layers)
@@ -89,7 +89,7 @@ class ModelConfig:
             raise UserError(f"{where}: the vocabulary lists {len(tokens):,} tokens for {n_vocab:,} embedding rows")
         scaling = md.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear", "yarn"):
-            raise UserError(f"{where}: rope scaling type '{scaling}' is not supported")
+            raise UserError(f"{where}: rope scaling type '{shown(str(scaling))}' is not supported")
         factor = 1.0
         if scaling != "none" and md.get(f"{arch}.rope.scaling.factor") != 0:   # 0: converters' "unset"
             factor = arch_float(header, "rope.scaling.factor", 1.0, low=0.0, high=MAX_ROPE_FACTOR)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import re
 import sys
 from functools import cached_property
 
-from layerplan.gguf_header import GGUFFormatError, GGUFHeader, read_header
+from layerplan.gguf_header import GGUFFormatError, GGUFHeader, read_array, read_header, shown
 from localrun.errors import UserError
 
 # GGUF value type ids (gguf-py's GGUFValueType): what llama.cpp reads each vocabulary array as.
@@ -38,9 +39,36 @@ def check_vocabulary(header: GGUFHeader) -> None:
     for key in _VOCAB_STRINGS:
         if key in md and not isinstance(md[key], str):
             raise GGUFFormatError(f"'{key}' is not text")
+    model = md.get("tokenizer.ggml.model")
+    if model not in _TOKENIZER_MODELS:
+        raise GGUFFormatError(f"tokenizer model '{shown(str(model))}' is not supported (supported: "
+                              f"{', '.join(_TOKENIZER_MODELS)})")
+    _check_token_texts(header, model)
+
+
+def _check_token_texts(header: GGUFHeader, model: str) -> None:
+    """llama.cpp asserts that token texts are distinct (an empty one counts as "[EMPTY_<id>]"),
+    and reads a SentencePiece byte token's value from its text "<0xHH>"."""
+    tokens = read_array(header, "tokenizer.ggml.tokens", raw_strings=True)
+    seen = set()
+    for i, text in enumerate(tokens):
+        text = text or f"[EMPTY_{i}]".encode()
+        if text in seen:
+            raise GGUFFormatError(f"the vocabulary lists the token {shown(text.decode('utf-8', 'replace'))!r} "
+                                  f"twice (again at id {i:,})")
+        seen.add(text)
+    if model == "llama" and "tokenizer.ggml.token_type" in header.metadata:
+        types = read_array(header, "tokenizer.ggml.token_type")
+        for i, (text, token_type) in enumerate(zip(tokens, types)):
+            if token_type == _BYTE_TOKEN and not _BYTE_TEXT.fullmatch(text):
+                raise GGUFFormatError(f"byte token {i:,} is spelled {shown(text.decode('utf-8', 'replace'))!r}, "
+                                      "not <0xHH>")
 
 
 _TYPE_NAMES = {_INT32: "int32", _FLOAT32: "float32", _STRING: "strings"}
+_TOKENIZER_MODELS = ("gpt2", "llama")    # BPE and SentencePiece: what llama-architecture files use
+_BYTE_TOKEN = 6                          # gguf-py's TokenType.BYTE
+_BYTE_TEXT = re.compile(rb"<0x[0-9A-Fa-f]{2}>")
 MAX_TEXT_BYTES = 16 << 20   # far past any context; llama.cpp takes ~1 s per MB and counts in int32
 
 

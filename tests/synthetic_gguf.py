@@ -90,7 +90,7 @@ def write_tiny_llama(
 
     For hostile-file tests: `chat_template` None writes no template; `metadata` maps keys to
     values that replace or add to the written ones (None deletes the key), a value being
-    `(value, GGUFValueType)` or a plain bool/int/float/str/list (typed as llama.cpp's
+    `(value, GGUFValueType)`, `(list, ARRAY, item GGUFValueType)` or a plain bool/int/float/str/list (typed as llama.cpp's
     converter would: uint32, float32, string; lists by their first item).
     """
     tensor_type = _as_qtype(tensor_type)
@@ -153,10 +153,11 @@ def write_tiny_llama(
 
 def _gguf_value(value) -> GGUFValue:
     """A metadata value for GGUFWriter: (value, type) as given, or typed from the Python value."""
-    if isinstance(value, tuple):
-        value, vtype = value
-        sub = _value_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY and value else None
-        return GGUFValue(value=value, type=vtype, sub_type=sub)
+    if isinstance(value, tuple):     # (value, type) or (array, ARRAY, item type)
+        value, vtype, *sub = value
+        if not sub:
+            sub = [_value_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY and value else None]
+        return GGUFValue(value=value, type=vtype, sub_type=sub[0])
     if isinstance(value, list):
         return GGUFValue(value=value, type=gguf.GGUFValueType.ARRAY,
                               sub_type=_value_type(value[0]) if value else gguf.GGUFValueType.UINT32)

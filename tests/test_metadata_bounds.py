@@ -2,6 +2,8 @@
 checked before use, and a bad one is one UserError sentence naming the key (issue 22).
 Each case is a tiny synthetic GGUF with one metadata value replaced."""
 import math
+import subprocess
+import sys
 import tracemalloc
 
 import pytest
@@ -10,9 +12,10 @@ from gguf import GGUFValueType
 import layerplan
 from localrun.errors import UserError
 from localrun.gguf_file import open_gguf
-from synthetic_gguf import write_tiny_llama
+from synthetic_gguf import tiny_bpe_vocab, write_tiny_llama
 
 U64 = GGUFValueType.UINT64
+TOKENS = tiny_bpe_vocab(320)[0]
 
 CASES = [   # (metadata replaced, fragment of the one sentence)
     ({"llama.block_count": 2**31 - 1}, "'llama.block_count' is 2,147,483,647; it must be from 1 to 4,096"),
@@ -45,6 +48,13 @@ CASES = [   # (metadata replaced, fragment of the one sentence)
     ({"tokenizer.ggml.scores": [0.0] * 10}, "'tokenizer.ggml.scores' has 10 entries for 320 tokens"),
     ({"tokenizer.ggml.token_type": [1.0] * 320}, "'tokenizer.ggml.token_type' is not an array of int32"),
     ({"tokenizer.ggml.model": 7}, "'tokenizer.ggml.model' is not text"),
+    ({"tokenizer.ggml.model": "rwkv"}, "tokenizer model 'rwkv' is not supported (supported: gpt2, llama)"),
+    # llama.cpp aborts the process on these two (GGML_ASSERT, or a C++ exception through its C API)
+    ({"tokenizer.ggml.tokens": TOKENS[:5] + [TOKENS[4]] + TOKENS[6:]},
+     f"the vocabulary lists the token {TOKENS[4]!r} twice (again at id 5)"),
+    ({"tokenizer.ggml.tokens": TOKENS[:5] + ["", "[EMPTY_5]"] + TOKENS[7:]}, "the token '[EMPTY_5]' twice (again at id 6)"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.token_type": ([6] * 320, GGUFValueType.ARRAY, GGUFValueType.INT32)},
+     "byte token 0 is spelled '<|endoftext|>', not <0xHH>"),
 ]
 
 
@@ -109,3 +119,12 @@ def test_tokenizer_refuses_huge_text_in_one_sentence(tmp_path):
     assert tok.decode(tok.encode("the fox and the dog " * 50, add_special=False)) == "the fox and the dog " * 50
     with pytest.raises(UserError, match=f"is too long to tokenize \\(the limit is {MAX_TEXT_BYTES:,}\\)"):
         tok.encode("x" * (MAX_TEXT_BYTES + 1))
+
+
+def test_tokenizer_validates_before_llama_cpp_can_abort(files):
+    """A duplicated token text makes llama.cpp's vocab-only load abort the process
+    (GGML_ASSERT(id_to_token.size() == token_to_id.size())); the Tokenizer refuses it first."""
+    i = next(i for i, (m, f) in enumerate(CASES) if "twice (again at id 5)" in f)
+    code = f"from localrun.tokenizer import Tokenizer; Tokenizer({str(files[i])!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "UserError" in proc.stderr and "twice (again at id 5)" in proc.stderr, proc.stderr
