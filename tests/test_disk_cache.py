@@ -364,9 +364,23 @@ text = "The history of computing is a story of abstraction, told one machine at 
 ids = []
 while len(ids) < 1500:
     ids += llm.tokenize(text + str(len(ids)), add_special=not ids)
+margins, forward = [], llm.engine.runner.forward
+def recording_forward(batch):                      # the top-2 gap of each step's sampled row
+    out = forward(batch)
+    top = out[-1].topk(2).values
+    margins.append(float(top[0] - top[1]))
+    return out
+llm.engine.runner.forward = recording_forward
 r = llm.generate(ids[:1500], max_tokens=24, temperature=0, ignore_eos=True)
-print(json.dumps({{"ids": r.token_ids, "timings": r.timings}}))
+print(json.dumps({{"ids": r.token_ids, "timings": r.timings, "margins": margins[-24:]}}))
 """
+
+# A greedy choice whose top-2 logits are closer than this is a tie: decode rows multiply 8-bit
+# activations (as llama.cpp does), so a last-bit difference upstream (the restarted process
+# computes the prompt's last 12 tokens as a 12-row chunk, the first as part of a 476-row one)
+# can flip one activation code and move a logit by ~1e-2. Measured 2026-11-30 (Xeon, AVX-512):
+# steps 0-3 have top-2 gaps of 4.4, 7.7, 5.3 and 5.4; step 4 is a near-tie (gap 0.063).
+TIE = 0.1
 
 
 @pytest.mark.model
@@ -384,7 +398,11 @@ def test_restart_with_the_real_model(tmp_path):
     first, second = child(), child()          # the first computes everything: the reference
     assert first["timings"]["cached_tokens"] == 0
     assert second["timings"]["cached_tokens_disk"] == second["timings"]["cached_tokens"] == 1488
-    assert first["ids"] == second["ids"]
+    # the same greedy text up to the first near-tie of the first run (at least 3 tokens)
+    until = next((i for i, m in enumerate(first["margins"]) if m < TIE), len(first["ids"]))
+    assert until >= 3, first["margins"]
+    assert first["ids"][:until] == second["ids"][:until]
+    assert abs(first["margins"][0] - second["margins"][0]) < 1e-3      # the prompt's last row agrees
 
 
 # --- the pool's block copy, for every KV type ----------------------------------------------

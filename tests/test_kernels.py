@@ -73,6 +73,22 @@ def test_matmul_equals_float64_reference_for_every_row_count(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float_activation_matmul_equals_float64_reference(qtype):
+    """qmatmul_f32 (prompt rows): x in float32 times the file's weights, no 8-bit rounding;
+    each row the same bits alone as in a batch."""
+    n, k = shape_for(qtype)
+    raw = random_blocks(qtype, n, k, seed=9)
+    w = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    x = np.random.default_rng(2).standard_normal((17, k)).astype(np.float32)
+    y = kernels.qmatmul_f32(torch.from_numpy(x), [torch.from_numpy(raw)], [int(qtype)]).numpy()
+    exact = x.astype(np.float64) @ w.T
+    np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max())
+    for m in (0, 7, 16):
+        one = kernels.qmatmul_f32(torch.from_numpy(x[m:m + 1]), [torch.from_numpy(raw)], [int(qtype)]).numpy()
+        assert np.array_equal(one[0], y[m])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_equals_gguf(qtype):
     n, k = shape_for(qtype)
     raw = random_blocks(qtype, n, k, seed=3)

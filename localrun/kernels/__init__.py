@@ -5,8 +5,7 @@
   multiplied with integer dot products (AVX2 maddubs, AVX-512 VNNI vpdpbusd). Several weights
   with the same K (q, k, v) form one fused output.
 - `dequantize(w, qtype, k)`: the float32 values of a weight (the prompt path's GEMM and tests).
-- `quantize_activations(x)`: x as the integer kernel sees it (the prompt path rounds x the same
-  way, so prompt and decode rows compute the same function up to float rounding).
+- `qmatmul_f32(x, weights, qtypes)`: the same product with float32 activations (prompt rows).
 - `rms_norm`, `add_rms_norm`, `silu_mul` (csrc/small_ops.cpp): fused small ops of a block.
 
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
@@ -57,5 +56,6 @@ def dequantize(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return torch.ops.localrun.dequantize(w, qtype, k)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.localrun.quantize_activations(x)
+def qmatmul_f32(x: torch.Tensor, weights: list[torch.Tensor], qtypes: list[int]) -> torch.Tensor:
+    """As qmatmul, with x kept in float32 (no 8-bit rounding of the activations)."""
+    return torch.ops.localrun.qmatmul_f32(x, weights, qtypes)

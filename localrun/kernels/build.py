@@ -1,7 +1,7 @@
 """Compile localrun's kernels (csrc/) into one shared library that torch loads as custom ops.
 
 `python -m localrun.kernels.build` is run by set-up; `library_path()` says where the library
-for this source, torch and compiler lives ($LOCALRUN_HOME/kernels/<key>/), and `build()`
+for this source, torch and compiler lives (localrun/kernels/_build/<key>/), and `build()`
 makes it if it is missing. Each instruction set's file is compiled with its own flags; the
 library picks one at run time (csrc/ops.cpp), so one build serves every x86-64 CPU kind.
 Plain g++ against torch's headers: no ninja, no setuptools extension.
@@ -48,6 +48,11 @@ def _key() -> str:
 
 
 def library_path() -> Path:
+    """Beside the sources where that folder is writable (an editable install), else under
+    $LOCALRUN_HOME/kernels/; keyed by sources, torch and compiler."""
+    local = CSRC.parent / "_build"
+    if os.access(CSRC.parent, os.W_OK):
+        return local / _key() / "liblocalrun_kernels.so"
     home = Path(os.environ.get("LOCALRUN_HOME", Path.home() / ".cache" / "localrun"))
     return home / "kernels" / _key() / "liblocalrun_kernels.so"
 

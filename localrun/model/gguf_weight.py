@@ -5,14 +5,14 @@ memory grows only by the pages a forward touches, and processes share the page c
 - Decode rows (the first `decode_rows` rows of a call, which the model runner names) always go
   through the integer kernel, which computes every row on its own: a sequence's decode and
   verify rows give bit-identical results whatever else shares the step.
-- Prompt rows go through the same kernel in small numbers; from PROMPT_GEMM_MIN_ROWS rows on,
-  the weight is dequantized to float32 for the call and multiplied by torch's GEMM, which is
-  several times faster there (docs/kernels.md has the figures per CPU). The GEMM's activations
-  are first rounded to the kernel's 8-bit blocks, so both paths compute the same function (the
-  file's weights times 8-bit activations, as llama.cpp does) and differ by float rounding only:
-  a prompt split into other chunks (a prefix cache hit, a restart from the disk cache) gives
-  the same greedy text, where float32 activations in one path and 8-bit ones in the other
-  differed by about 1e-3 and flipped near-ties.
+- Prompt rows keep float32 activations: below PROMPT_GEMM_MIN_ROWS rows the kernel dequantizes
+  each weight group in registers (qmatmul_f32); from there on the weight is dequantized to
+  float32 for the call and multiplied by torch's GEMM, several times faster there
+  (docs/kernels.md). Both compute the same product up to summation order, with no rounding
+  step in between, so a prompt split into other chunks (a prefix cache hit, a restart from the
+  disk cache) gives the same text. Rounding prompt activations to 8 bits instead made such
+  splits differ by ~1e-3 (one activation code flipping), enough to change greedy text at
+  near-ties; prompt rows also decide the first token, where float32 follows the reference.
 """
 from __future__ import annotations
 
@@ -50,11 +50,13 @@ class GGUFWeight:
         """x (..., K) -> (..., N) in x's dtype."""
         flat = x.reshape(-1, self.k).float()
         d = min(decode_rows, flat.shape[0])
-        if flat.shape[0] - d >= PROMPT_GEMM_MIN_ROWS:
-            prompt = F.linear(kernels.quantize_activations(flat[d:]), self.dequantize())
-            y = prompt if d == 0 else torch.cat([kernels.qmatmul(flat[:d], self.parts, self.qtypes), prompt])
-        else:
+        if d == flat.shape[0]:                                      # decode and verify rows only
             y = kernels.qmatmul(flat, self.parts, self.qtypes)
+        else:
+            rest = flat[d:]
+            prompt = (F.linear(rest, self.dequantize()) if rest.shape[0] >= PROMPT_GEMM_MIN_ROWS
+                      else kernels.qmatmul_f32(rest, self.parts, self.qtypes))
+            y = prompt if d == 0 else torch.cat([kernels.qmatmul(flat[:d], self.parts, self.qtypes), prompt])
         return y.to(x.dtype).reshape(*x.shape[:-1], self.n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

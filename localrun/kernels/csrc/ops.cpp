@@ -2,7 +2,8 @@
 //   qmatmul(x, weights, qtypes) -> y      x (M, K) float32; weights: GGUF rows (N_i, row bytes) uint8,
 //                                         used in place; y (M, sum N_i) float32 = x @ [W_0; W_1; ...].T
 //   dequantize(w, qtype, k) -> (N, K) float32
-//   quantize_activations(x) -> x as the integer kernel sees it (8-bit blocks of 32, dequantized)
+//   qmatmul_f32(x, weights, qtypes) -> y  the same product with x in float32 (no 8-bit rounding):
+//                                         the prompt rows' path below the GEMM's threshold
 //   isa() -> str                          the instruction set the kernels dispatch to
 // The instruction set is chosen once from the CPU's features, or forced with LOCALRUN_ISA=
 // avx512|avx2|ref. Work is split over weight rows with at::parallel_for (torch's thread pool).
@@ -17,11 +18,13 @@
 namespace localrun {
 namespace avx2 {
 bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
+bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*);
 bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 }
 namespace avx512 {
 bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
+bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*);
 bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 }
@@ -88,7 +91,26 @@ void matmul_range(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, in
     }
 }
 
-at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes) {
+void matmul_range_f32(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* x, int64_t K,
+                      int64_t M, float* y, int64_t ldy) {
+    switch (isa()) {
+        case Isa::Avx512: avx512::matmul_rows_f32(qtype, w, row_bytes, n0, n1, x, K, M, y, ldy); return;
+        case Isa::Avx2: avx2::matmul_rows_f32(qtype, w, row_bytes, n0, n1, x, K, M, y, ldy); return;
+        default: {
+            std::vector<float> row(K);
+            for (int64_t n = n0; n < n1; n++) {
+                dequantize_row_ref(qtype, w + n * row_bytes, K, row.data());
+                for (int64_t m = 0; m < M; m++) {
+                    double sum = 0.0;
+                    for (int64_t k = 0; k < K; k++) sum += (double)row[k] * x[m * K + k];
+                    y[m * ldy + n] = (float)sum;
+                }
+            }
+        }
+    }
+}
+
+at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes, bool float_activations) {
     TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "localrun::qmatmul: x must be (M, K) float32");
     TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "localrun::qmatmul: one qtype per weight");
     const at::Tensor x = x_in.contiguous();
@@ -106,6 +128,24 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     const int64_t N = starts.back();
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
+    const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()) / 16 * 16);
+    float* out = y.data_ptr<float>();
+    auto over_rows = [&](auto&& run) {      // one pass over all weights' rows, split at part boundaries
+        at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+            for (size_t i = 0; i < weights.size(); i++) {
+                const int64_t lo = std::max(b, starts[i]), hi = std::min(e, starts[i + 1]);
+                if (lo < hi) run(i, lo - starts[i], hi - starts[i]);
+            }
+        });
+    };
+    if (float_activations) {
+        const float* xp = x.data_ptr<float>();
+        over_rows([&](size_t i, int64_t n0, int64_t n1) {
+            const at::Tensor& w = weights[i];
+            matmul_range_f32((int)qtypes[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, xp, K, M, out + starts[i], N);
+        });
+        return y;
+    }
     at::Tensor qs = at::empty({M, K}, x.options().dtype(at::kChar));
     at::Tensor d = at::empty({M, K / 32}, x.options());
     at::Tensor s = at::empty({M, K / 16}, x.options().dtype(at::kInt));
@@ -114,34 +154,19 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
              dxv.data_ptr<float>(), sxv.data_ptr<float>());
     const QX qx{qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), K, dxv.data_ptr<float>(),
                 sxv.data_ptr<float>()};
-    float* out = y.data_ptr<float>();
-    // one pass over all weights' rows, split at part boundaries
-    const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()) / 16 * 16);
-    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-        for (size_t i = 0; i < weights.size(); i++) {
-            const int64_t lo = std::max(b, starts[i]), hi = std::min(e, starts[i + 1]);
-            if (lo >= hi) continue;
-            const at::Tensor& w = weights[i];
-            // rows lo..hi of the fused output are rows lo-start..hi-start of part i; column offset starts[i]
-            matmul_range((int)qtypes[i], w.data_ptr<uint8_t>(), w.size(1), lo - starts[i], hi - starts[i], qx, M,
-                         out + starts[i], N);
-        }
+    over_rows([&](size_t i, int64_t n0, int64_t n1) {   // part i's rows n0..n1, at column offset starts[i]
+        const at::Tensor& w = weights[i];
+        matmul_range((int)qtypes[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, qx, M, out + starts[i], N);
     });
     return y;
 }
 
-// x rounded through the activation format: d * q per 32 values, as the integer kernel sees x.
-at::Tensor quantize_activations(const at::Tensor& x_in) {
-    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "localrun::quantize_activations: x must be (M, K) float32");
-    const at::Tensor x = x_in.contiguous();
-    const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK(K % 32 == 0, "localrun::quantize_activations: K must be a multiple of 32, got ", K);
-    at::Tensor qs = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / 32}, x.options());
-    at::Tensor s = at::empty({M, K / 16}, x.options().dtype(at::kInt));
-    at::Tensor dxv = at::empty({M, K / 32, 8}, x.options()), sxv = at::empty({M, K / 32, 8}, x.options());
-    quantize(x.data_ptr<float>(), M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(),
-             dxv.data_ptr<float>(), sxv.data_ptr<float>());
-    return qs.to(at::kFloat).view({M, K / 32, 32}).mul_(d.view({M, K / 32, 1})).view({M, K});
+at::Tensor qmatmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes) {
+    return qmatmul_impl(x, weights, qtypes, false);
+}
+
+at::Tensor qmatmul_f32(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes) {
+    return qmatmul_impl(x, weights, qtypes, true);
 }
 
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
@@ -169,13 +194,13 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
 
 TORCH_LIBRARY(localrun, m) {
     m.def("qmatmul(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
+    m.def("qmatmul_f32(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
     m.def("dequantize(Tensor w, int qtype, int k) -> Tensor");
-    m.def("quantize_activations(Tensor x) -> Tensor");
     m.def("isa() -> str", [] { return localrun::isa_name(); });
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
     m.impl("qmatmul", &localrun::qmatmul);
+    m.impl("qmatmul_f32", &localrun::qmatmul_f32);
     m.impl("dequantize", &localrun::dequantize);
-    m.impl("quantize_activations", &localrun::quantize_activations);
 }

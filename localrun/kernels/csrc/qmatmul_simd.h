@@ -230,6 +230,63 @@ static void rows_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
     }
 }
 
+// Float32 activations (prompt rows): each group dequantized in registers, times x in float32.
+// No activation rounding, so the result differs from a float32 GEMM on the dequantized
+// weights by summation order only. Every row runs the same instructions whatever the tile.
+template <int QT, int R>
+static void rows_tile_f32(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* x, int64_t K,
+                          int64_t m0, float* y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+        __m256 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for_each_group<QT>(w + n * row_bytes, K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
+            const __m256 a_lo = _mm256_permutevar8x32_ps(a, _mm256_set1_epi32(0)), a_hi = _mm256_permutevar8x32_ps(a, _mm256_set1_epi32(4));
+            const __m256 b_lo = _mm256_permutevar8x32_ps(b, _mm256_set1_epi32(0)), b_hi = _mm256_permutevar8x32_ps(b, _mm256_set1_epi32(4));
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int i = 0; i < 4; i++) {
+                const __m256i q32 = QT == Q8_0 ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
+                const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), i < 2 ? a_lo : a_hi, i < 2 ? b_lo : b_hi);
+                for (int r = 0; r < R; r++)
+                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + r) * K + 32 * g + 8 * i), acc[r]);
+            }
+        });
+        for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n] = hsum(acc[r]);
+    }
+}
+
+template <int QT>
+static void rows_all_f32(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* x, int64_t K,
+                         int64_t M, float* y, int64_t ldy) {
+    constexpr int64_t NCHUNK = 16;
+    for (int64_t nc = n0; nc < n1; nc += NCHUNK) {
+        const int64_t ne = nc + NCHUNK < n1 ? nc + NCHUNK : n1;
+        int64_t m = 0;
+        for (; m + TILE <= M; m += TILE) rows_tile_f32<QT, TILE>(w, row_bytes, nc, ne, x, K, m, y, ldy);
+        switch (M - m) {
+            case 3: rows_tile_f32<QT, 3>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 2: rows_tile_f32<QT, 2>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 1: rows_tile_f32<QT, 1>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            default: break;
+        }
+    }
+}
+
+bool matmul_rows_f32(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* x, int64_t K,
+                     int64_t M, float* y, int64_t ldy) {
+    switch (qtype) {
+        case Q4_0: rows_all_f32<Q4_0>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        case Q4_1: rows_all_f32<Q4_1>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        case Q5_0: rows_all_f32<Q5_0>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        case Q5_1: rows_all_f32<Q5_1>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        case Q8_0: rows_all_f32<Q8_0>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        case Q4_K: rows_all_f32<Q4_K>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        case Q5_K: rows_all_f32<Q5_K>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        case Q6_K: rows_all_f32<Q6_K>(w, row_bytes, n0, n1, x, K, M, y, ldy); return true;
+        default: return false;
+    }
+}
+
 // The entry points the dispatcher calls (ops.cpp).
 bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
                  float* y, int64_t ldy) {
