@@ -16,7 +16,7 @@ from layerplan.gguf_header import GGUFFormatError, GGUFHeader, TensorInfo, read_
 from layerplan.model_profile import profile_from_header
 from localrun.config import ModelConfig
 from localrun.errors import UserError
-from localrun.tokenizer import check_vocabulary
+from localrun.vocab_check import check_vocabulary
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
                    QT.Q4_K, QT.Q5_K, QT.Q6_K)
