@@ -98,9 +98,9 @@ def _params(info: TensorInfo) -> int:
 
 def _layer_count(header: GGUFHeader, by_layer: dict) -> int:
     """block_count, bounded: every layer holds at least one of the file's tensors."""
-    n_layers = arch_int(header, "block_count", max(by_layer, default=-1) + 1, high=MAX_LAYERS)
-    if not n_layers:
+    if f"{header.architecture}.block_count" not in header.metadata and not by_layer:
         raise ValueError(f"{header.path.name} has no transformer layers this planner understands")
+    n_layers = arch_int(header, "block_count", max(by_layer, default=-1) + 1, low=1, high=MAX_LAYERS)
     if n_layers > len(header.tensors):
         raise GGUFFormatError(f"'{header.architecture}.block_count' is {n_layers:,}, more layers than the "
                               f"file's {len(header.tensors):,} tensors can make", header.path.name)
