@@ -313,12 +313,15 @@ class LLM:
                         if text.stopped and not out.finished:
                             engine.finish_request(rid, "stop")
                             out = out._replace(finished=True)
+                    if out.error is not None:      # this request's sampling failed (the engine went on)
+                        raise RuntimeError(f"generation failed: {out.error}")
                     if out.finished:
                         pending.discard(rid)
                         tail = text.finish()
                         if tail:
                             yield index, tail
-                        finish = "stop" if text.stopped or out.seq.finish_reason == "stop" else "length"
+                        reason = out.seq.finish_reason
+                        finish = "stop" if text.stopped or reason == "stop" else "abort" if reason == "abort" else "length"
                         yield index, GenerationResult(text.text, out_ids[rid], finish, self._timings(out.seq))
         finally:   # Ctrl-C or an abandoned stream: free the requests' blocks
             for rid in requests:

@@ -78,3 +78,24 @@ def test_a_sampling_fault_ends_only_its_own_request(model, monkeypatch, fail_aft
     assert sum(o.finished for o in bad) == 1
     assert engine.block_manager.num_used_blocks == 0
     assert not engine.has_unfinished() and engine.runner.generators == {}
+
+
+def test_python_api_raises_when_its_request_fails(tiny_gguf, monkeypatch):
+    """LLM.generate does not return truncated text as 'length' when sampling its request
+    failed: it raises, naming the failure, and the engine's blocks are free afterwards."""
+    from localrun.api import LLM
+    from localrun.engine import model_runner
+    llm = LLM(tiny_gguf("F32"), n_threads=1)
+    real = model_runner.sample
+
+    def failing(logits, params, generator, history):
+        if len(history) > 6:
+            raise ValueError("injected")
+        return real(logits, params, generator, history)
+
+    monkeypatch.setattr(model_runner, "sample", failing)
+    with pytest.raises(RuntimeError, match="generation failed: ValueError: injected"):
+        llm.generate([5, 6, 7, 8], max_tokens=8, temperature=0, ignore_eos=True)
+    monkeypatch.setattr(model_runner, "sample", real)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert len(llm.generate([5, 6, 7, 8], max_tokens=8, temperature=0, ignore_eos=True).token_ids) == 8
