@@ -31,3 +31,23 @@ def test_torch_runs_the_kernels_ci_forces():
         assert capability == "AVX512"
     elif has_flag("avx2") and has_flag("fma"):
         assert capability == "AVX2"
+
+
+def test_kernels_run_on_this_cpu_without_silent_fallback():
+    """On an x86-64 CPU with AVX2 the compiled kernels load and pick the widest instruction set
+    the CPU has (or the one LOCALRUN_ISA forces), and a quantized model uses them: prompt rows
+    take the dequantized-GEMM path on every CPU kind, never torch's int4 kernel by accident."""
+    import os
+    import platform
+
+    from localrun import kernels
+    from localrun.cpu_info import cpu_info
+    if platform.machine() not in ("x86_64", "AMD64") or os.environ.get("LOCALRUN_NO_KERNELS") == "1":
+        pytest.skip("the kernels have SIMD paths for x86-64; LOCALRUN_NO_KERNELS=1 turns them off on purpose")
+    flags = cpu_info()["flags"]
+    if not flags.get("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    assert kernels.available(), "the compiled kernels did not load on this CPU"
+    forced = os.environ.get("LOCALRUN_ISA")
+    expected = forced or ("avx512" if flags.get("avx512f") and flags.get("avx512_vnni") else "avx2")
+    assert kernels.isa() == expected, (kernels.isa(), flags)
