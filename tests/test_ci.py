@@ -5,6 +5,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from conftest import NUMERICS_TESTS
 from localrun.cpu_info import has_flag
 
