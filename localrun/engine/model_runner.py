@@ -58,10 +58,13 @@ class ModelRunner:
         self.input_device = model.tok_embeddings.device
         self.generators: dict[str, torch.Generator] = {}   # request_id -> its sampler's RNG
 
-    def segments(self, batch: Batch) -> list[Segment]:
-        """One Segment per entry: its rows of the flat batch and its view of the KV pool."""
+    def segments(self, batch: Batch, first_row: int = 0) -> list[Segment]:
+        """One Segment per entry from row first_row on (the rows before it are attended by the
+        paged kernel): its rows of the flat batch and its view of the KV pool."""
         starts, segments = batch.query_start_locs(), []
         for i, e in enumerate(batch.entries):
+            if starts[i] < first_row:
+                continue
             view = self.kv_cache.sequence_view(e.seq.block_table)
             rowwise = bool(e.num_draft_tokens) and self.verify_as_decodes
             segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view, rowwise))
@@ -75,22 +78,23 @@ class ModelRunner:
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=device)       # (T,)
         rows = torch.tensor(batch.sample_indices(), dtype=torch.long, device=device)       # (S,)
         num_rows = num_decode_rows(batch)
-        return self.model(tokens, positions, self.segments(batch), rows, decode_rows=num_rows,
-                          paged=self.paged_rows(batch, num_rows))
+        paged = self.paged_rows(batch, num_rows)
+        segments = self.segments(batch, first_row=num_rows if paged is not None else 0)
+        return self.model(tokens, positions, segments, rows, decode_rows=num_rows, paged=paged)
 
     def paged_rows(self, batch: Batch, num_rows: int) -> PagedRows | None:
         """The leading decode and verify rows' metadata for the paged attention kernel, where
         the model runs localrun's kernels on the CPU over a float32 pool; else None."""
-        if not num_rows or not getattr(self.model, "fused", False) or not self.kv_cache.supports_paged_attention:
+        if not num_rows or not self.model.fused or not self.kv_cache.supports_paged_attention:
             return None
         entries = batch.entries[:next((i for i, e in enumerate(batch.entries) if e.is_prefill), len(batch.entries))]
         bs = self.kv_cache.block_size
         width = max(len(e.seq.block_table) for e in entries)
-        tables = torch.zeros(len(entries), width, dtype=torch.long)
+        tables = torch.tensor([e.seq.block_table + [0] * (width - len(e.seq.block_table)) for e in entries],
+                              dtype=torch.long)                                   # (S, width), padded
         slots, row_seq, row_len = [], [], []
         for i, e in enumerate(entries):
             table = e.seq.block_table
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
             for p in range(e.start_position, e.start_position + e.num_new_tokens):
                 slots.append(table[p // bs] * bs + p % bs)
                 row_seq.append(i)

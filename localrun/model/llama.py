@@ -43,7 +43,7 @@ class PagedRows:
     """The leading decode and verify rows of a batch (one query each over its own prefix),
     attended in one kernel call per layer straight from a float32 KV pool
     (localrun::paged_attention), with no gather and no loop over sequences. Built once per
-    forward by the model runner; the rows' own segments are then skipped."""
+    forward by the model runner, which then passes segments for the later rows only."""
     num_rows: int
     slots: torch.Tensor           # (T,) where each row's K/V is written
     block_tables: torch.Tensor    # (S, max_blocks) int64, padded
@@ -106,10 +106,9 @@ class Attention(nn.Module):
             out = torch.ops.localrun.paged_attention(q[:n], k[:n], v[:n], k_pool, v_pool, paged.slots,
                                                       paged.block_tables, paged.row_seq, paged.row_len,
                                                       paged.block_size)          # (n, H, hd)
-            rest = [s for s in segments if s.start >= n]
-            if rest:
+            if segments:            # the prompt chunks after those rows
                 out = torch.cat([out] + [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
-                                                      v[s.start:s.start + s.length], s) for s in rest])
+                                                      v[s.start:s.start + s.length], s) for s in segments])
         elif len(segments) == 1:
             out = self._attend(q, k, v, segments[0])
         else:
