@@ -93,7 +93,8 @@ def validate_messages(messages) -> list[dict]:
 
 
 def render_chat(template: str | None, messages, *, bos_token: str = "", eos_token: str = "",
-                add_generation_prompt: bool = True, limits: Limits = DEFAULT_LIMITS) -> str:
+                add_generation_prompt: bool = True, limits: Limits = DEFAULT_LIMITS,
+                tools: list[dict] | None = None) -> str:
     """The prompt text for `messages` (a list of {role, content} dicts); the built-in ChatML
     template when `template` is None or refused by check_template. Rendering is bounded by
     `limits`."""
@@ -102,8 +103,9 @@ def render_chat(template: str | None, messages, *, bos_token: str = "", eos_toke
         template = None
     try:
         compiled = _compile(template or CHATML, limits.max_chars)
+        extra = {"tools": tools} if tools is not None else {}     # OpenAI tools, as HF templates take them
         return render_bounded(compiled, limits, messages=messages, add_generation_prompt=add_generation_prompt,
-                              bos_token=bos_token, eos_token=eos_token)
+                              bos_token=bos_token, eos_token=eos_token, **extra)
     except TemplateLimitError as e:
         raise UserError(f"the model's chat template went past a limit on these messages: {e}") from None
     except jinja2.exceptions.TemplateError as e:
