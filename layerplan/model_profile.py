@@ -11,6 +11,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+from layerplan.architectures import ARCHITECTURES, PLANNER_SWA_PATTERNS
 from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray, TensorInfo, read_header
 from layerplan.gguf_values import (MAX_CONTEXT, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
                                    arch_int, arch_ints_per_layer)
@@ -24,7 +25,7 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               38: "MXFP4_MOE"}
 # architectures whose layers alternate sliding-window and global attention: pattern length n
 # means layers with (il % n) < n - 1 use the window (llama.cpp's set_swa_pattern)
-SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+SWA_PATTERNS = {**PLANNER_SWA_PATTERNS, **{a.name: a.swa_pattern for a in ARCHITECTURES.values() if a.swa_pattern}}
 _BLOCK = re.compile(r"^blk\.(\d{1,6})\.")
 
 

@@ -19,7 +19,26 @@ from localrun.template_sandbox import BoundedEnvironment, Limits, TemplateLimitE
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
           " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
+# Gemma's turn format, as Gemma 3's own template writes it (text only): the system prompt opens
+# the first user turn, roles must alternate user/model, and the assistant is called "model".
+GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+         "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
+         "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+         "{% for message in loop_messages %}"
+         "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+         "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+         "{% endif %}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') "
+         "+ message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+FAMILY_TEMPLATES = {"gemma": GEMMA, "chatml": CHATML}
+
 ROLES = ("system", "user", "assistant", "tool")
+
+
+def family_template(chat_format: str | None) -> str | None:
+    """The built-in template of a family's turn format (Architecture.chat_format), None for none."""
+    return FAMILY_TEMPLATES.get(chat_format) if chat_format else None
 
 
 def _raise(message):

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray, shown
 from layerplan.gguf_values import (REQUIRED, MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, arch_float,
                                    arch_int, arch_ints_per_layer, meta_int)
-from localrun.chat_template import check_template
+from layerplan.architectures import ARCHITECTURES, Architecture
+from localrun.chat_template import check_template, family_template
 from localrun.errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama",)   # llama.cpp writes Llama 2/3, Mistral and SmolLM2 as "llama"
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)   # llama.cpp writes Llama 2/3, Mistral and SmolLM2 as "llama"
 MAX_ROPE_BASE = 1e12
 MAX_ROPE_FACTOR = 1e6
 
@@ -35,7 +36,34 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     add_bos_token: bool
-    chat_template: str | None    # as the file has it; None: the built-in ChatML template
+    chat_template: str | None    # as the file has it, else the family's turn format; None: built-in ChatML
+    chat_template_origin: str = "file"   # "file", "family" (the file has none) or "none"
+    sliding_window: int | None = None    # tokens a local layer attends over (itself included)
+    local_layers: tuple[bool, ...] = ()  # per layer: attends over the sliding window only
+    rope_base_local: float | None = None  # RoPE base of the local layers (else rope_base)
+    attention_scale: float | None = None  # query scale, None: 1/sqrt(head_dim)
+    final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
+
+    @property
+    def arch(self) -> Architecture:
+        """The family's description (layerplan/architectures.py)."""
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def num_local_layers(self) -> int:
+        return sum(self.local_layers)
+
+    def is_local(self, layer: int) -> bool:
+        return bool(self.local_layers) and self.local_layers[layer]
+
+    @property
+    def chat_template_notice(self) -> str | None:
+        """One sentence for the user when the file carries no chat template and the family's
+        turn format stands in for it."""
+        if self.chat_template_origin != "family":
+            return None
+        return (f"the model file carries no chat template; using {self.architecture}'s "
+                f"{self.arch.chat_format} turn format")
 
     @property
     def chat_template_error(self) -> str | None:
@@ -94,6 +122,20 @@ class ModelConfig:
         if scaling != "none" and md.get(f"{arch}.rope.scaling.factor") != 0:   # 0: converters' "unset"
             factor = arch_float(header, "rope.scaling.factor", 1.0, low=0.0, high=MAX_ROPE_FACTOR)
         template = md.get("tokenizer.chat_template")
+        family = ARCHITECTURES[arch]
+        origin = "file" if isinstance(template, str) else "none"
+        if origin == "none" and family_template(family.chat_format) is not None:
+            template, origin = family_template(family.chat_format), "family"
+        window = arch_int(header, "attention.sliding_window", 0, low=0, high=MAX_CONTEXT) if family.swa_pattern else 0
+        if f"{arch}.attention.sliding_window" in md and not family.swa_pattern:
+            raise UserError(f"{where}: '{arch}.attention.sliding_window' is set, and localrun runs {arch} "
+                            "with full attention in every layer (a Mistral-style sliding window is not supported)")
+        local_layers = tuple(family.is_local_layer(i, window) for i in range(n_layers))
+        softcap = (arch_float(header, "final_logit_softcapping", 1.0, low=0.0, high=1e6)
+                   if f"{arch}.final_logit_softcapping" in md else None)
+        attention_scale = None
+        if arch == "gemma3" and n_layers == 62:      # Gemma 3 27B: llama.cpp's query_pre_attn_scalar
+            attention_scale = (n_embd / n_head) ** -0.5
         return cls(
             architecture=arch,
             name=str(md.get("general.name", header.path.stem)),
@@ -109,12 +151,18 @@ class ModelConfig:
             rope_dim=rope_dim,
             rope_scaling_type=scaling,
             rope_scaling_factor=factor,
-            rms_eps=arch_float(header, "attention.layer_norm_rms_epsilon", 1e-5, low=0.0, high=1.0),
+            rms_eps=arch_float(header, "attention.layer_norm_rms_epsilon", family.default_rms_eps, low=0.0, high=1.0),
             tied_output="output.weight" not in tensors,
             bos_token_id=_token_id(header, "tokenizer.ggml.bos_token_id", n_vocab),
             eos_token_id=_token_id(header, "tokenizer.ggml.eos_token_id", n_vocab),
             add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", True)),
             chat_template=template if isinstance(template, str) else None,
+            chat_template_origin=origin,
+            sliding_window=window or None,
+            local_layers=local_layers if any(local_layers) else (),
+            rope_base_local=family.local_rope_base if any(local_layers) else None,
+            attention_scale=attention_scale,
+            final_logit_softcap=softcap or None,
         )
 
 

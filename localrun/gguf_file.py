@@ -76,17 +76,15 @@ def type_name(type_id: int) -> str:
 
 
 def expected_shapes(c: ModelConfig, has_rope_freqs: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor the llama model reads, with its shape in GGUF order (row length first)."""
+    """Every tensor the model reads, with its shape in GGUF order (row length first)."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     shapes = {"token_embd.weight": (c.n_embd, c.n_vocab), "output_norm.weight": (c.n_embd,)}
     if not c.tied_output:
         shapes["output.weight"] = (c.n_embd, c.n_vocab)
     if has_rope_freqs:
         shapes["rope_freqs.weight"] = (c.rope_dim // 2,)
-    layer = {"attn_norm": (c.n_embd,), "attn_q": (c.n_embd, q), "attn_k": (c.n_embd, kv), "attn_v": (c.n_embd, kv),
-             "attn_output": (q, c.n_embd), "ffn_norm": (c.n_embd,), "ffn_gate": (c.n_embd, c.n_ff),
-             "ffn_up": (c.n_embd, c.n_ff), "ffn_down": (c.n_ff, c.n_embd)}
-    assert set(layer) == set(LAYER_TENSORS)
+    layer = c.arch.layer_shapes(n_embd=c.n_embd, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
+                                n_ff=c.n_ff)     # the family's tensors (layerplan/architectures.py)
     for i in range(c.n_layers):
-        shapes.update({f"blk.{i}.{name}.weight": shape for name, shape in layer.items()})
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
     return shapes

@@ -1,6 +1,6 @@
 """GGUF file -> (ModelConfig, weights).
 
-`file_weights` gives every tensor the llama architecture uses as a `FileTensor`: a read-only
+`file_weights` gives every tensor the file's family uses as a `FileTensor`: a read-only
 memory map of its bytes, converted only when the model builds the layer that needs it, so that
 loading never holds more than one layer's temporary copies. The model then keeps 4-bit and
 8-bit tensors quantized where torch has a kernel for them (localrun/model/quant.py) and
@@ -64,13 +64,15 @@ def read_tensor(file: GGUFModelFile, name: str, dtype: torch.dtype) -> torch.Ten
 
 
 def weight_names(file: GGUFModelFile) -> list[str]:
-    """Every tensor the llama architecture reads from this file."""
+    """Every tensor the file's family reads from it (layerplan/architectures.py)."""
+    c = file.config
     names = ["token_embd.weight", "output_norm.weight"]
-    if not file.config.tied_output:
+    if not c.tied_output:
         names.append("output.weight")
     if "rope_freqs.weight" in file.tensors:
         names.append("rope_freqs.weight")
-    return names + [f"blk.{i}.{t}.weight" for i in range(file.config.n_layers) for t in LAYER_TENSORS]
+    suffixes = [f"{t}.weight" for t in c.arch.layer_tensors()] + [f"{t}.bias" for t in c.arch.bias_tensors()]
+    return names + [f"blk.{i}.{s}" for i in range(c.n_layers) for s in suffixes]
 
 
 def file_weights(file: GGUFModelFile) -> dict[str, FileTensor]:
@@ -79,11 +81,11 @@ def file_weights(file: GGUFModelFile) -> dict[str, FileTensor]:
 
 
 def load_weights(file: GGUFModelFile, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors the llama architecture uses, keyed by GGUF name, on the CPU in `dtype`,
+    """All tensors the family uses, keyed by GGUF name, on the CPU in `dtype`,
     dequantized (the reference path). Norm weights stay float32."""
     return {name: read_tensor(file, name, torch.float32 if _is_vector(name) else dtype)
             for name in weight_names(file)}
 
 
 def _is_vector(name: str) -> bool:
-    return name.endswith("norm.weight") or name == "rope_freqs.weight"
+    return name.endswith("norm.weight") or name.endswith(".bias") or name == "rope_freqs.weight"

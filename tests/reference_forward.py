@@ -1,4 +1,5 @@
-"""A naive float64 numpy forward pass of a llama-architecture GGUF, as llama.cpp computes it.
+"""A naive float64 numpy forward pass of a llama, qwen2, qwen3 or gemma3 GGUF, as llama.cpp
+computes it.
 
 Independent of localrun: reads the file with gguf-py, dequantizes every tensor with
 `gguf.quants.dequantize`, and runs the transformer one position at a time with full causal
@@ -14,6 +15,18 @@ What llama.cpp does for `general.architecture = llama` (src/llama-model.cpp, ggm
 - SwiGLU FFN: down(silu(gate(x)) * up(x)); final RMSNorm; output head = output.weight, or
   token_embd.weight when the file has no output.weight (tied embeddings).
 GGUF shapes are numpy shapes reversed: a GGUF [n_embd, n_vocab] tensor is a (n_vocab, n_embd) array.
+
+The other families (src/models/qwen2.cpp, qwen3.cpp, gemma3.cpp), written out here on their own
+rather than read from localrun's architecture table, so that the two can disagree:
+- qwen2: q/k/v projections add attn_q/k/v.bias; RoPE of type NEOX: rotate the pairs
+  (x[i], x[i + d/2]) of each head.
+- qwen3: RMSNorm of each Q and K head (attn_q_norm, attn_k_norm, over head_dim) before RoPE;
+  NEOX RoPE; head_dim from qwen3.attention.key_length.
+- gemma3: embeddings times sqrt(n_embd); Q/K head norms; NEOX RoPE; outputs of attention and
+  FFN pass post_attention_norm / post_ffw_norm before their residual add; FFN
+  down(gelu_tanh(gate) * up); layers with il % 6 < 5 attend over the last
+  gemma3.attention.sliding_window positions (the query's own included) with RoPE base 10,000,
+  the others over all positions with gemma3.rope.freq_base.
 """
 
 from __future__ import annotations
@@ -38,10 +51,23 @@ class LlamaHyperparams:
     rms_norm_eps: float
     rope_base: float
     rope_freq_scale: float  # 1 / linear scaling factor
+    architecture: str = "llama"
+    key_length: int | None = None        # head_dim when the file sets it
+    sliding_window: int | None = None    # gemma3
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
+
+    @property
+    def neox(self) -> bool:
+        return self.architecture != "llama"
+
+    def is_local(self, layer: int) -> bool:
+        return self.architecture == "gemma3" and bool(self.sliding_window) and layer % 6 < 5
+
+    def layer_rope_base(self, layer: int) -> float:
+        return 10000.0 if self.is_local(layer) else self.rope_base
 
 
 def read_llama_gguf(path: str | Path) -> tuple[LlamaHyperparams, dict[str, np.ndarray]]:
@@ -52,28 +78,33 @@ def read_llama_gguf(path: str | Path) -> tuple[LlamaHyperparams, dict[str, np.nd
         return reader.fields[key].contents() if key in reader.fields else default
 
     arch = field("general.architecture")
-    assert arch == "llama", f"{path}: architecture {arch!r}, expected 'llama'"
+    assert arch in ("llama", "qwen2", "qwen3", "gemma3"), f"{path}: architecture {arch!r} not implemented here"
     weights = {
         tensor.name: np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64)
         .reshape([int(n) for n in reversed(tensor.shape)])
         for tensor in reader.tensors
     }
-    scaling_type = field("llama.rope.scaling.type", "none")
+    scaling_type = field(f"{arch}.rope.scaling.type", "none")
     assert scaling_type in ("none", "linear"), f"rope scaling {scaling_type!r} not implemented here"
-    scaling_factor = field("llama.rope.scaling.factor", 1.0) if scaling_type == "linear" else 1.0
-    n_embd = field("llama.embedding_length")
-    n_head = field("llama.attention.head_count")
-    assert field("llama.rope.dimension_count", n_embd // n_head) == n_embd // n_head  # llama: n_rot == head_dim
+    scaling_factor = field(f"{arch}.rope.scaling.factor", 1.0) if scaling_type == "linear" else 1.0
+    n_embd = field(f"{arch}.embedding_length")
+    n_head = field(f"{arch}.attention.head_count")
+    key_length = field(f"{arch}.attention.key_length")
+    head_dim = key_length or n_embd // n_head
+    assert field(f"{arch}.rope.dimension_count", head_dim) == head_dim  # n_rot == head_dim
     hparams = LlamaHyperparams(
-        n_layers=field("llama.block_count"),
+        n_layers=field(f"{arch}.block_count"),
         n_embd=n_embd,
         n_head=n_head,
-        n_head_kv=field("llama.attention.head_count_kv", n_head),
-        n_ff=field("llama.feed_forward_length"),
+        n_head_kv=field(f"{arch}.attention.head_count_kv", n_head),
+        n_ff=field(f"{arch}.feed_forward_length"),
         n_vocab=weights["token_embd.weight"].shape[0],
-        rms_norm_eps=field("llama.attention.layer_norm_rms_epsilon"),
-        rope_base=field("llama.rope.freq_base", 10000.0),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_base=field(f"{arch}.rope.freq_base", 10000.0),
         rope_freq_scale=1.0 / scaling_factor,
+        architecture=arch,
+        key_length=key_length,
+        sliding_window=field(f"{arch}.attention.sliding_window"),
     )
     return hparams, weights
 
@@ -81,12 +112,21 @@ def read_llama_gguf(path: str | Path) -> tuple[LlamaHyperparams, dict[str, np.nd
 def naive_logits(path: str | Path, token_ids: list[int] | np.ndarray) -> np.ndarray:
     """Next-token logits at every position, shape (len(token_ids), n_vocab), float64."""
     hp, w = read_llama_gguf(path)
+    eps, gemma = hp.rms_norm_eps, hp.architecture == "gemma3"
     x = w["token_embd.weight"][np.asarray(token_ids)]  # (T, n_embd)
+    if gemma:
+        x = x * np.sqrt(hp.n_embd)
     for i in range(hp.n_layers):
-        x = x + attention(rms_norm(x, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), w, i, hp)
-        x = x + feed_forward(rms_norm(x, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps), w, i)
+        attn = attention(rms_norm(x, w[f"blk.{i}.attn_norm.weight"], eps), w, i, hp)
+        if gemma:
+            attn = rms_norm(attn, w[f"blk.{i}.post_attention_norm.weight"], eps)
+        x = x + attn
+        ffn = feed_forward(rms_norm(x, w[f"blk.{i}.ffn_norm.weight"], eps), w, i, gelu=gemma)
+        if gemma:
+            ffn = rms_norm(ffn, w[f"blk.{i}.post_ffw_norm.weight"], eps)
+        x = x + ffn
     output = w.get("output.weight", w["token_embd.weight"])  # (n_vocab, n_embd)
-    return rms_norm(x, w["output_norm.weight"], hp.rms_norm_eps) @ output.T
+    return rms_norm(x, w["output_norm.weight"], eps) @ output.T
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -105,32 +145,54 @@ def rope_adjacent_pairs(x: np.ndarray, position: float, base: float, freq_scale:
     return out
 
 
+def rope_halves(x: np.ndarray, position: float, base: float, freq_scale: float = 1.0) -> np.ndarray:
+    """NEOX RoPE: rotate pairs (x[..., i], x[..., i + d/2]) by position * freq_scale * base^(-2i/d)."""
+    d = x.shape[-1]
+    theta = position * freq_scale * base ** (-np.arange(0, d, 2) / d)  # (d/2,)
+    cos, sin = np.cos(theta), np.sin(theta)
+    first, second = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+
+
 def attention(h: np.ndarray, w: dict[str, np.ndarray], layer: int, hp: LlamaHyperparams) -> np.ndarray:
     """Causal GQA self-attention of the normed hidden states h (T, n_embd)."""
-    n_tokens, hd = h.shape[0], hp.head_dim
-    q = (h @ w[f"blk.{layer}.attn_q.weight"].T).reshape(n_tokens, hp.n_head, hd)
-    k = (h @ w[f"blk.{layer}.attn_k.weight"].T).reshape(n_tokens, hp.n_head_kv, hd)
-    v = (h @ w[f"blk.{layer}.attn_v.weight"].T).reshape(n_tokens, hp.n_head_kv, hd)
+    n_tokens, hd, p = h.shape[0], hp.head_dim, f"blk.{layer}."
+    q = h @ w[p + "attn_q.weight"].T + w.get(p + "attn_q.bias", 0.0)
+    k = h @ w[p + "attn_k.weight"].T + w.get(p + "attn_k.bias", 0.0)
+    v = h @ w[p + "attn_v.weight"].T + w.get(p + "attn_v.bias", 0.0)
+    q, k = q.reshape(n_tokens, hp.n_head, hd), k.reshape(n_tokens, hp.n_head_kv, hd)
+    v = v.reshape(n_tokens, hp.n_head_kv, hd)
+    if p + "attn_q_norm.weight" in w:
+        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.rms_norm_eps)
+        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps)
+    rope = rope_halves if hp.neox else rope_adjacent_pairs
+    base = hp.layer_rope_base(layer)
+    freq_scale = 1.0 if hp.is_local(layer) else hp.rope_freq_scale
     for t in range(n_tokens):
-        q[t] = rope_adjacent_pairs(q[t], t, hp.rope_base, hp.rope_freq_scale)
-        k[t] = rope_adjacent_pairs(k[t], t, hp.rope_base, hp.rope_freq_scale)
+        q[t] = rope(q[t], t, base, freq_scale)
+        k[t] = rope(k[t], t, base, freq_scale)
 
     group = hp.n_head // hp.n_head_kv
     out = np.empty((n_tokens, hp.n_head, hd))
     for t in range(n_tokens):
+        first = max(0, t + 1 - hp.sliding_window) if hp.is_local(layer) else 0   # keys first..t
         for head in range(hp.n_head):
             kv_head = head // group
-            scores = k[: t + 1, kv_head] @ q[t, head] / np.sqrt(hd)  # (t+1,)
+            scores = k[first: t + 1, kv_head] @ q[t, head] / np.sqrt(hd)  # (t+1-first,)
             probs = np.exp(scores - scores.max())
             probs /= probs.sum()
-            out[t, head] = probs @ v[: t + 1, kv_head]
+            out[t, head] = probs @ v[first: t + 1, kv_head]
     return out.reshape(n_tokens, hp.n_head * hd) @ w[f"blk.{layer}.attn_output.weight"].T
 
 
-def feed_forward(h: np.ndarray, w: dict[str, np.ndarray], layer: int) -> np.ndarray:
+def feed_forward(h: np.ndarray, w: dict[str, np.ndarray], layer: int, gelu: bool = False) -> np.ndarray:
     gate = h @ w[f"blk.{layer}.ffn_gate.weight"].T
     up = h @ w[f"blk.{layer}.ffn_up.weight"].T
-    return (gate / (1.0 + np.exp(-gate)) * up) @ w[f"blk.{layer}.ffn_down.weight"].T
+    if gelu:   # ggml_gelu: the tanh approximation
+        act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+    else:
+        act = gate / (1.0 + np.exp(-gate))
+    return (act * up) @ w[f"blk.{layer}.ffn_down.weight"].T
 
 
 # Comparisons of logits live in fidelity.py; these names stay for the tests that import them here.

@@ -1,4 +1,6 @@
 """Tiny llama-architecture GGUF files with random weights, laid out as llama.cpp's converter does.
+`write_tiny_model(path, architecture=...)` writes the other families (qwen2, qwen3, gemma3) the
+same way, with their extra tensors (biases, Q/K head norms, post-norms) and keys.
 
 `write_tiny_llama(path, tensor_type=...)` writes a complete model (hyperparameters, a small
 byte-level BPE tokenizer, a ChatML template, and random weights) that llama.cpp can load.
@@ -80,6 +82,9 @@ def write_tiny_llama(
     seed: int = 0,
     chat_template: str | None = CHATML_TEMPLATE,
     metadata: dict | None = None,
+    architecture: str = "llama",
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a llama-architecture GGUF with random weights and return its path.
 
@@ -96,16 +101,17 @@ def write_tiny_llama(
     tensor_type = _as_qtype(tensor_type)
     if rope_scaling is not None and (rope_scaling.get("type") != "linear" or "factor" not in rope_scaling):
         raise ValueError(f"only linear rope scaling is supported, got {rope_scaling!r}")
-    assert n_embd % n_head == 0 and n_head % n_head_kv == 0
-    head_dim = n_embd // n_head
+    assert (head_dim or n_embd % n_head == 0) and n_head % n_head_kv == 0
+    explicit_head_dim = head_dim is not None
+    head_dim = head_dim or n_embd // n_head
     tokens, token_types, merges = tiny_bpe_vocab(n_vocab)
     weights = tiny_llama_weights(
         n_layers=n_layers, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
-        n_vocab=n_vocab, tied_output=tied_output, seed=seed,
+        n_vocab=n_vocab, tied_output=tied_output, seed=seed, architecture=architecture, head_dim=head_dim,
     )
 
     path = Path(path)
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_name("tiny-llama-synthetic")
     writer.add_vocab_size(n_vocab)
     writer.add_context_length(context_length)
@@ -117,6 +123,11 @@ def write_tiny_llama(
     writer.add_rope_freq_base(rope_base)
     writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
     writer.add_rope_dimension_count(head_dim)
+    if explicit_head_dim:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
     if rope_scaling is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope_scaling["factor"]))
@@ -174,9 +185,22 @@ def _value_type(value) -> gguf.GGUFValueType:
     return gguf.GGUFValueType.STRING
 
 
+def write_tiny_model(path: str | Path, *, architecture: str, tensor_type: QType | str = QType.F32,
+                     **options) -> Path:
+    """A tiny model of another family: qwen2 (Q/K/V biases), qwen3 (Q/K norms, head_dim 128 so
+    that n_head x head_dim != n_embd), gemma3 (also post-norms, head_dim 128 and a sliding
+    window of 8 tokens, so that 6 of its 7 layers are local and short prompts cross the window).
+    `options` go to write_tiny_llama and override these defaults."""
+    defaults = {"qwen2": {"rope_base": 1e6},
+                "qwen3": {"head_dim": 128, "rope_base": 1e6},
+                "gemma3": {"head_dim": 128, "sliding_window": 8, "n_layers": 7, "rope_base": 1e6, "n_head_kv": 1},
+                "llama": {}}[architecture]
+    return write_tiny_llama(path, tensor_type=tensor_type, architecture=architecture, **{**defaults, **options})
+
+
 def tiny_llama_weights(
     *, n_layers: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, n_vocab: int,
-    tied_output: bool, seed: int,
+    tied_output: bool, seed: int, architecture: str = "llama", head_dim: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The float32 weights `write_tiny_llama` stores, by GGUF tensor name, in numpy shape order.
 
@@ -184,7 +208,8 @@ def tiny_llama_weights(
     so that tied logits have a spread of a few units; norm weights are U(0.8, 1.2).
     """
     rng = np.random.default_rng(seed)
-    head_dim = n_embd // n_head
+    head_dim = head_dim or n_embd // n_head
+    extra = np.random.default_rng(seed + 1000)   # the other families' tensors; llama's stay as they were
 
     def linear(n_out: int, n_in: int) -> np.ndarray:
         return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
@@ -203,6 +228,15 @@ def tiny_llama_weights(
         weights[f"blk.{i}.ffn_gate.weight"] = linear(n_ff, n_embd)
         weights[f"blk.{i}.ffn_up.weight"] = linear(n_ff, n_embd)
         weights[f"blk.{i}.ffn_down.weight"] = linear(n_embd, n_ff)
+        if architecture == "qwen2":     # biases of a few units, as Qwen's K biases are
+            for name, n in (("attn_q", n_head), ("attn_k", n_head_kv), ("attn_v", n_head_kv)):
+                weights[f"blk.{i}.{name}.bias"] = extra.normal(0, 0.5, n * head_dim).astype(np.float32)
+        if architecture in ("qwen3", "gemma3"):
+            weights[f"blk.{i}.attn_q_norm.weight"] = extra.uniform(0.8, 1.2, head_dim).astype(np.float32)
+            weights[f"blk.{i}.attn_k_norm.weight"] = extra.uniform(0.8, 1.2, head_dim).astype(np.float32)
+        if architecture == "gemma3":
+            weights[f"blk.{i}.post_attention_norm.weight"] = extra.uniform(0.8, 1.2, n_embd).astype(np.float32)
+            weights[f"blk.{i}.post_ffw_norm.weight"] = extra.uniform(0.8, 1.2, n_embd).astype(np.float32)
     weights["output_norm.weight"] = norm()
     if not tied_output:
         weights["output.weight"] = (0.1 * rng.standard_normal((n_vocab, n_embd))).astype(np.float32)

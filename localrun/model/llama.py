@@ -1,4 +1,7 @@
-"""The llama-family transformer (Llama 2/3, Mistral, SmolLM2) as llama.cpp lays out its GGUF.
+"""The decoder-only transformer of every supported family (llama, qwen2, qwen3, gemma3) as
+llama.cpp lays out its GGUF. A family's variants are flags of its `Architecture`
+(layerplan/architectures.py): Q/K/V biases, Q/K head norms, post-norms, the embedding scale,
+the FFN activation, the RoPE pairing, and sliding-window (local) layers with their own RoPE base.
 
 Transformer -> Block -> Attention / FeedForward, gpt-fast style, with fused QKV and gate/up
 weights. One forward runs a flat batch of T tokens that may belong to several sequences:
@@ -36,6 +39,7 @@ class Segment:
     cache_start: int
     cache: object          # has .update(layer, start, k, v) -> (k_all, v_all), (n_kv, L, hd)
     rowwise: bool = False
+    window_caches: dict | None = None   # local layer -> cache holding the last `window` positions only
 
 
 @dataclass
@@ -53,23 +57,31 @@ class PagedRows:
     pools: object                 # layer -> (k_pool, v_pool), each (num_blocks * block_size, n_kv, hd)
 
 
-def rope_table(config: ModelConfig, max_positions: int, rope_freqs: torch.Tensor | None) -> torch.Tensor:
+def rope_table(config: ModelConfig, max_positions: int, rope_freqs: torch.Tensor | None,
+               local: bool = False) -> torch.Tensor:
     """cos + i sin of position * theta_i, (max_positions, rope_dim/2) complex64.
-    llama.cpp's "normal" RoPE rotates adjacent pairs (x[2i], x[2i+1]); the GGUF converter
-    permutes Q/K rows so that this equals the reference model's rotation."""
+    local: the table of the sliding-window layers (their own base, no scaling, as llama.cpp's
+    rope_freq_base_train_swa)."""
     dim = config.rope_dim
-    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    if rope_freqs is not None:          # Llama 3.x long-context frequency factors
+    base = config.rope_base_local if local else config.rope_base
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if rope_freqs is not None and not local:    # Llama 3.x long-context frequency factors
         inv_freq = inv_freq / rope_freqs.double()
-    positions = torch.arange(max_positions, dtype=torch.float64) / config.rope_scaling_factor
+    positions = torch.arange(max_positions, dtype=torch.float64) / (1.0 if local else config.rope_scaling_factor)
     angles = torch.outer(positions, inv_freq)
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x (T, H, hd), freqs (T, hd/2) complex -> x rotated, same dtype."""
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, neox: bool = False) -> torch.Tensor:
+    """x (T, H, hd), freqs (T, hd/2) complex -> x rotated, same dtype.
+    llama.cpp's "normal" RoPE rotates adjacent pairs (x[2i], x[2i+1]) (the GGUF converter
+    permutes llama's Q/K rows to match); "neox" (qwen2, qwen3, gemma3) rotates (x[i], x[i+hd/2])."""
     if x.dtype != torch.float32:
-        return apply_rope(x.float(), freqs).to(x.dtype)
+        return apply_rope(x.float(), freqs, neox).to(x.dtype)
+    if neox:                                                            # halves -> pairs and back
+        halves = x.unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()   # (T, H, hd/2, 2)
+        rotated = torch.view_as_real(torch.view_as_complex(halves) * freqs[:, None, :])
+        return rotated.transpose(-1, -2).flatten(-2)
     pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))             # (T, H, hd/2)
     return torch.view_as_real(pairs * freqs[:, None, :]).flatten(-2)
 
@@ -89,23 +101,38 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, wqkv, wo, layer: int):
+    def __init__(self, config: ModelConfig, wqkv, wo, layer: int, bias: torch.Tensor | None = None,
+                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
         super().__init__()
         self.wqkv, self.wo, self.layer = wqkv, wo, layer   # (q+2kv dims, D), (D, q dims)
+        self.bias = bias                                   # (q+2kv dims,) or None (qwen2's Q/K/V biases)
+        self.q_norm, self.k_norm = q_norm, k_norm          # RMSNorm over each head (qwen3, gemma3)
         self.n_head, self.n_head_kv, self.head_dim = config.n_head, config.n_head_kv, config.head_dim
+        self.neox = config.arch.rope_type == "neox"
+        self.window = config.sliding_window if config.is_local(layer) else None   # None: whole context
+        self.scale = config.attention_scale                # None: 1/sqrt(head_dim)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment], decode_rows: int = 0,
                 paged: PagedRows | None = None) -> torch.Tensor:
         T, H, n_kv = x.shape[0], self.n_head, self.n_head_kv
-        qkv = self.wqkv(x, decode_rows).view(T, H + 2 * n_kv, self.head_dim)          # (T, H + 2 n_kv, hd)
-        q, k = apply_rope(qkv[:, :H + n_kv], freqs).split([H, n_kv], dim=1)   # q and k rotated at once
+        qkv = self.wqkv(x, decode_rows)                                   # (T, H*hd + 2 n_kv*hd)
+        if self.bias is not None:
+            qkv = qkv + self.bias
+        qkv = qkv.view(T, H + 2 * n_kv, self.head_dim)                    # (T, H + 2 n_kv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + n_kv])
+            q, k = apply_rope(torch.cat([q, k], dim=1), freqs, self.neox).split([H, n_kv], dim=1)
+        else:
+            q, k = apply_rope(qkv[:, :H + n_kv], freqs, self.neox).split([H, n_kv], dim=1)  # rotated at once
+        if self.scale is not None:        # fold a non-default query scale into q: sdpa divides by sqrt(hd)
+            q = q * (self.scale * self.head_dim ** 0.5)
         v = qkv[:, H + n_kv:]                                             # (T, n_kv, hd)
         if paged is not None:
             n = paged.num_rows
             k_pool, v_pool = paged.pools(self.layer)
             out = torch.ops.localrun.paged_attention(q[:n], k[:n], v[:n], k_pool, v_pool, paged.slots,
                                                       paged.block_tables, paged.row_seq, paged.row_len,
-                                                      paged.block_size)          # (n, H, hd)
+                                                      paged.block_size, self.window or 0)   # (n, H, hd)
             if segments:            # the prompt chunks after those rows
                 out = torch.cat([out] + [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
                                                       v[s.start:s.start + s.length], s) for s in segments])
@@ -117,9 +144,12 @@ class Attention(nn.Module):
         return self.wo(out.reshape(T, H * self.head_dim), decode_rows)
 
     def _attend(self, q, k, v, seg: Segment) -> torch.Tensor:
-        """Causal attention of one segment's queries over its cached prefix plus itself."""
+        """Causal attention of one segment's queries over its cached prefix plus itself (over
+        the last `window` positions only, itself included, in a local layer)."""
         k_all, v_all = seg.cache.update(self.layer, seg.cache_start, k, v)   # (n_kv, L, hd)
         t, L = q.shape[0], k_all.shape[1]
+        if self.window is not None:
+            return self._attend_window(q, k_all, v_all, seg.rowwise)
         if seg.rowwise and t > 1:     # row i: one query over keys 0..L-t+i, as a decode step
             return torch.cat([sdpa(q[i:i + 1], k_all[:, :L - t + i + 1], v_all[:, :L - t + i + 1])
                               for i in range(t)])
@@ -129,6 +159,21 @@ class Attention(nn.Module):
         elif t > 1:   # new tokens are the last t of L: query i sees keys 0..L-t+i
             mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)
         return sdpa(q, k_all, v_all, mask, causal)
+
+    def _attend_window(self, q, k_all, v_all, rowwise: bool) -> torch.Tensor:
+        """Query i (position L-t+i) over keys p with L-t+i - window < p <= L-t+i (llama.cpp's
+        LLAMA_SWA_TYPE_STANDARD mask): only keys from L-t-window+1 on can matter."""
+        t, L, w = q.shape[0], k_all.shape[1], self.window
+        first = max(0, L - t - w + 1)
+        k_all, v_all = k_all[:, first:], v_all[:, first:]                   # (n_kv, L - first, hd)
+        if rowwise or t == 1:     # row i: one query over its own window, as a decode step
+            return torch.cat([sdpa(q[i:i + 1], k_all[:, max(0, L - t + i + 1 - w - first):L - t + i + 1 - first],
+                                   v_all[:, max(0, L - t + i + 1 - w - first):L - t + i + 1 - first])
+                              for i in range(t)])
+        q_pos = torch.arange(L - t, L, device=q.device)[:, None]
+        k_pos = torch.arange(first, L, device=q.device)[None, :]
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < w)                       # (t, L - first)
+        return sdpa(q, k_all, v_all, mask)
 
 
 def sdpa(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.Tensor | None = None,
@@ -140,16 +185,19 @@ def sdpa(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w13, w2, fused: bool = False):
+    def __init__(self, w13, w2, fused: bool = False, activation: str = "silu"):
         super().__init__()
         self.w13, self.w2 = w13, w2        # (2*F, D) gate then up, (D, F)
-        self.fused = fused
+        self.activation = activation       # "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
+        self.fused = fused and activation == "silu"
 
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         gate_up = self.w13(x, decode_rows)                                   # (T, 2F)
         if self.fused and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
             return self.w2(torch.ops.localrun.silu_mul(gate_up), decode_rows)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "gelu_tanh":
+            return self.w2(F.gelu(gate, approximate="tanh").mul_(up), decode_rows)
         return self.w2(F.silu(gate).mul_(up), decode_rows)
 
 
@@ -172,6 +220,12 @@ class WeightBuilder:
             return make_embedding(t, torch.device(device), self.dtype, self.quantized)
         return PlainWeight(t.to(device=device, dtype=self.dtype))
 
+    def bias(self, names: list[str], device: str) -> torch.Tensor | None:
+        """The fused parts' biases, concatenated (float32), or None where the file has none."""
+        if not all(n in self.weights for n in names):
+            return None
+        return torch.cat([self.vector(n, device) for n in names])
+
     def vector(self, name: str, device: str) -> torch.Tensor:
         t = self.weights[name]
         if isinstance(t, FileTensor):
@@ -188,18 +242,39 @@ class Block(nn.Module):
         wqkv = build.linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], device)
         w13 = build.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], device)
         self.fused = fused and self.device.type == "cpu"     # localrun's fused small ops (kernels)
-        self.attention_norm = RMSNorm(build.vector(p + "attn_norm.weight", device), config.rms_eps, self.fused)
-        self.attention = Attention(config, wqkv, build.linear([p + "attn_output.weight"], device), layer)
-        self.ffn_norm = RMSNorm(build.vector(p + "ffn_norm.weight", device), config.rms_eps, self.fused)
-        self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device), self.fused)
+        arch, eps = config.arch, config.rms_eps
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(build.vector(p + name + ".weight", device), eps, self.fused)
+
+        self.is_local = config.is_local(layer)               # sliding-window layer: its own RoPE table
+        self.attention_norm = norm("attn_norm")
+        bias = build.bias([p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"], device) \
+            if arch.attention_bias else None
+        q_norm, k_norm = (norm("attn_q_norm"), norm("attn_k_norm")) if arch.qk_norm else (None, None)
+        self.attention = Attention(config, wqkv, build.linear([p + "attn_output.weight"], device), layer,
+                                   bias, q_norm, k_norm)
+        self.ffn_norm = norm("ffn_norm")
+        self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device), self.fused,
+                                        arch.activation)
+        # gemma: RMSNorm of the attention and FFN outputs before each residual add
+        self.post_attention_norm = norm("post_attention_norm") if arch.post_norms else None
+        self.post_ffw_norm = norm("post_ffw_norm") if arch.post_norms else None
 
     def forward(self, x, freqs, segments, decode_rows: int = 0, paged: PagedRows | None = None):
+        freqs = freqs[1 if self.is_local else 0]                             # (T, hd/2)
         attn = self.attention(self.attention_norm(x), freqs, segments, decode_rows, paged)
+        if self.post_attention_norm is not None:
+            attn = self.post_attention_norm(attn)
         if self.fused and attn.dtype == torch.float32:       # h = x + attn and its norm in one call
             h, normed = torch.ops.localrun.add_rms_norm(x, attn, self.ffn_norm.weight, self.ffn_norm.eps)
-            return h + self.feed_forward(normed, decode_rows)
-        h = x + attn
-        return h + self.feed_forward(self.ffn_norm(h), decode_rows)
+        else:
+            h = x + attn
+            normed = self.ffn_norm(h)
+        ffn = self.feed_forward(normed, decode_rows)
+        if self.post_ffw_norm is not None:
+            ffn = self.post_ffw_norm(ffn)
+        return h + ffn
 
 
 class Transformer(nn.Module):
@@ -224,7 +299,12 @@ class Transformer(nn.Module):
         self.head_device, self.head_group = torch.device(dm.head_device), dm.head_group
         self.embedding_group = dm.embedding_group
         rope_freqs = build.vector("rope_freqs.weight", "cpu") if "rope_freqs.weight" in weights else None
-        self.freqs = rope_table(config, max_positions, rope_freqs).to(dm.embedding_device)
+        tables = [rope_table(config, max_positions, rope_freqs)]
+        if config.local_layers:
+            tables.append(rope_table(config, max_positions, rope_freqs, local=True))
+        self.rope_tables = torch.stack(tables).to(dm.embedding_device)   # (1 or 2: global, local; positions, hd/2)
+        self.freqs = self.rope_tables[0]                                  # the global table: (positions, hd/2)
+        self.embedding_scale = config.n_embd ** 0.5 if config.arch.embedding_scale else None
         self.weight_format = "quantized" if quantized else "dequantized"
 
     def _head(self, build: WeightBuilder, dm: DeviceMap):
@@ -249,8 +329,11 @@ class Transformer(nn.Module):
         decode_rows: the leading rows that are decode or verify rows (one query each): the
         quantized weights compute them the same way whatever else is in the batch.
         paged: those rows' attention metadata, when the KV pool allows the paged kernel."""
-        x = self.tok_embeddings.rows(tokens).to(self.dtype)                   # (T, D)
-        freqs = self.freqs[positions]                                        # (T, hd/2)
+        x = self.tok_embeddings.rows(tokens)                                 # (T, D)
+        if self.embedding_scale is not None:                                 # gemma: in float32, as llama.cpp
+            x = x.float() * self.embedding_scale
+        x = x.to(self.dtype)
+        freqs = self.rope_tables[:, positions]                               # (1 or 2, T, hd/2)
         group = self.embedding_group
         for layer in self.layers:
             if layer.group != group:
@@ -261,4 +344,8 @@ class Transformer(nn.Module):
             x, freqs = self.cross(x, freqs, self.head_device)
         if logits_rows is not None:
             x = x[logits_rows.to(x.device)]
-        return self.output(self.norm(x), decode_rows).float()
+        logits = self.output(self.norm(x), decode_rows).float()
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,9 +1,11 @@
 // Batched paged attention for decode and verify rows, float32 KV, in one call per layer:
-//   paged_attention(q, k, v, k_pool, v_pool, slots, block_tables, row_seq, row_len, block_size) -> out
+//   paged_attention(q, k, v, k_pool, v_pool, slots, block_tables, row_seq, row_len, block_size, window=0) -> out
 //   q (T, H, hd); k, v (T, n_kv, hd): the rows' new keys and values, written first into the pools
 //   (num_blocks * block_size, n_kv, hd) at `slots` (T,). Row t then attends, as one query, over
 //   the first row_len[t] positions of sequence row_seq[t], whose position p lives in slot
-//   block_tables[row_seq[t], p / block_size] * block_size + p % block_size. Grouped-query: head h
+//   block_tables[row_seq[t], p / block_size] * block_size + p % block_size. window > 0 (a
+//   sliding-window layer): only the last `window` of those positions, p >= row_len[t] - window;
+//   the block table's entries before them are never read. Grouped-query: head h
 //   reads KV head h / (H / n_kv). Scale 1/sqrt(hd), softmax in float32 with the maximum removed.
 // No gather, no Python loop over sequences; every row is computed on its own, so a verify row
 // equals the decode step it stands for, bit for bit. The reference is torch's SDPA over the
@@ -29,7 +31,7 @@ inline float dot8(const float* a, const float* b, int64_t n) {
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slots_in, const at::Tensor& tables_in,
-                           const at::Tensor& row_seq_in, const at::Tensor& row_len_in, int64_t block_size) {
+                           const at::Tensor& row_seq_in, const at::Tensor& row_len_in, int64_t block_size, int64_t window) {
     const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     const at::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous();
     const at::Tensor row_seq = row_seq_in.contiguous(), row_len = row_len_in.contiguous();
@@ -43,6 +45,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), n_kv = k.size(1);
     TORCH_CHECK(k.size(0) == T && k.size(2) == hd && H % n_kv == 0 && k_pool.size(1) == n_kv && k_pool.size(2) == hd,
                 "localrun::paged_attention: shapes disagree");
+    TORCH_CHECK(window >= 0, "localrun::paged_attention: window must be >= 0");
     TORCH_CHECK(slots.numel() == T && row_seq.numel() == T && row_len.numel() == T && tables.dim() == 2,
                 "localrun::paged_attention: one slot, sequence and length per row");
     const int64_t num_slots = k_pool.size(0), max_blocks = tables.size(1), row_bytes = n_kv * hd;
@@ -65,11 +68,12 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
         std::vector<float> scores;
         for (int64_t i = i0; i < i1; i++) {
             const int64_t t = i / H, h = i % H, g = h / group, L = lenp[t];
+            const int64_t first = window > 0 && L > window ? L - window : 0;   // first position attended
             const int64_t* table = tp + seqp[t] * max_blocks;
             const float* qh = qp + (t * H + h) * hd;
             scores.resize(L);
             float mx = -INFINITY;
-            for (int64_t p = 0; p < L; p++) {
+            for (int64_t p = first; p < L; p++) {
                 const int64_t slot = table[p / block_size] * block_size + p % block_size;
                 TORCH_CHECK(slot >= 0 && slot < num_slots, "localrun::paged_attention: block table entry out of range");
                 const float* kh = kp + (slot * n_kv + g) * hd;
@@ -77,10 +81,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                 mx = std::max(mx, scores[p]);
             }
             float sum = 0.f;
-            for (int64_t p = 0; p < L; p++) { scores[p] = std::exp(scores[p] - mx); sum += scores[p]; }
+            for (int64_t p = first; p < L; p++) { scores[p] = std::exp(scores[p] - mx); sum += scores[p]; }
             float* oh = op + (t * H + h) * hd;
             for (int64_t d = 0; d < hd; d++) oh[d] = 0.f;
-            for (int64_t p = 0; p < L; p++) {
+            for (int64_t p = first; p < L; p++) {
                 const int64_t slot = table[p / block_size] * block_size + p % block_size;
                 const float* vh = vp + (slot * n_kv + g) * hd;
                 const float w = scores[p] / sum;
@@ -96,7 +100,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
 
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
-          "Tensor block_tables, Tensor row_seq, Tensor row_len, int block_size) -> Tensor");
+          "Tensor block_tables, Tensor row_seq, Tensor row_len, int block_size, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
