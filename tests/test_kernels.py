@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.numerics,
               pytest.mark.skipif(not kernels.available(), reason="localrun's kernels did not compile here")]
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-ROWS = [1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 64]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64]
 F16_FIELDS = {QT.Q4_0: [0], QT.Q5_0: [0], QT.Q8_0: [0], QT.Q4_1: [0, 2], QT.Q5_1: [0, 2],
               QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
 
@@ -57,19 +57,25 @@ def shape_for(qtype: QT) -> tuple[int, int]:
     return (37, 512) if GGML_QUANT_SIZES[qtype][0] == 256 else (37, 96 * 3)
 
 
+def shapes_for(qtype: QT) -> list[tuple[int, int]]:
+    """shape_for, plus an even number of 32-groups for the 32-value types: the AVX-512 path
+    decodes those two groups at a time, and an odd last group alone."""
+    return [shape_for(qtype)] + ([(37, 320)] if GGML_QUANT_SIZES[qtype][0] == 32 else [])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_equals_float64_reference_for_every_row_count(qtype):
-    n, k = shape_for(qtype)
-    raw = random_blocks(qtype, n, k)
-    w = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
-    x = np.random.default_rng(1).standard_normal((max(ROWS), k)).astype(np.float32)
-    x[3, :32] = 0.0                                       # an all-zero block
-    for m in ROWS:
-        y = kernels.qmatmul(torch.from_numpy(x[:m]), [torch.from_numpy(raw)], [int(qtype)]).numpy()
-        exact = q8_reference(x[:m]).astype(np.float64) @ w.T
-        np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max(), err_msg=f"M={m}")
-        plain = x[:m].astype(np.float64) @ w.T            # the 8-bit activations' own error
-        assert np.linalg.norm(y - plain) / np.linalg.norm(plain) < 1.5e-2
+    for n, k in shapes_for(qtype):
+        raw = random_blocks(qtype, n, k)
+        w = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+        x = np.random.default_rng(1).standard_normal((max(ROWS), k)).astype(np.float32)
+        x[3, :32] = 0.0                                       # an all-zero block
+        for m in ROWS:
+            y = kernels.qmatmul(torch.from_numpy(x[:m]), [torch.from_numpy(raw)], [int(qtype)]).numpy()
+            exact = q8_reference(x[:m]).astype(np.float64) @ w.T
+            np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max(), err_msg=f"M={m} K={k}")
+            plain = x[:m].astype(np.float64) @ w.T            # the 8-bit activations' own error
+            assert np.linalg.norm(y - plain) / np.linalg.norm(plain) < 1.5e-2
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -99,8 +105,9 @@ def test_dequantize_equals_gguf(qtype):
 def test_rows_are_bit_identical_in_any_batch():
     """A row's output is the same bits alone, in any subset, at any position of the call."""
     rng = np.random.default_rng(4)
-    parts = [random_blocks(QT.Q4_K, 40, 512, seed=5), random_blocks(QT.Q6_K, 24, 512, seed=6)]
-    weights, qtypes = [torch.from_numpy(p) for p in parts], [int(QT.Q4_K), int(QT.Q6_K)]
+    parts = [random_blocks(QT.Q4_K, 40, 512, seed=5), random_blocks(QT.Q6_K, 24, 512, seed=6),
+             random_blocks(QT.Q5_1, 11, 512, seed=10)]
+    weights, qtypes = [torch.from_numpy(p) for p in parts], [int(QT.Q4_K), int(QT.Q6_K), int(QT.Q5_1)]
     x = torch.from_numpy(rng.standard_normal((33, 512)).astype(np.float32))
     full = kernels.qmatmul(x, weights, qtypes)
     for m in range(33):
@@ -129,18 +136,17 @@ def test_bad_shapes_are_refused():
 ISA_SCRIPT = """
 import json, sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
-from test_kernels import TYPES, random_blocks, shape_for, q8_reference
+from test_kernels import TYPES, random_blocks, shapes_for, q8_reference
 from gguf.quants import dequantize
 from localrun import kernels
 out = {"isa": kernels.isa(), "errors": {}, "rows_identical": True}
-for qtype in TYPES:
-    n, k = shape_for(qtype)
+for qtype, (n, k) in [(t, s) for t in TYPES for s in shapes_for(t)]:
     raw = random_blocks(qtype, n, k)
     w = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
     x = np.random.default_rng(1).standard_normal((17, k)).astype(np.float32)
     y = kernels.qmatmul(torch.from_numpy(x), [torch.from_numpy(raw)], [int(qtype)])
     exact = q8_reference(x).astype(np.float64) @ w.T
-    out["errors"][qtype.name] = float(np.abs(y.numpy() - exact).max() / np.abs(exact).max())
+    out["errors"][f"{qtype.name}/{k}"] = float(np.abs(y.numpy() - exact).max() / np.abs(exact).max())
     for m in (0, 5, 16):
         one = kernels.qmatmul(torch.from_numpy(x[m:m + 1]), [torch.from_numpy(raw)], [int(qtype)])
         out["rows_identical"] &= bool(torch.equal(one[0], y[m]))

@@ -11,7 +11,11 @@
 
 namespace localrun { namespace ISA_NS {
 
-constexpr int TILE = 4;   // activation rows per pass over a weight row
+#ifdef LOCALRUN_VNNI
+constexpr int TILE = 8;   // activation rows per pass over a weight row (32 vector registers)
+#else
+constexpr int TILE = 4;   // activation rows per pass over a weight row (16 vector registers)
+#endif
 
 // u8 codes x s8 activations -> 8 int32 lanes (lane i: bytes 4i..4i+3)
 static inline __m256i dot_us(__m256i q, __m256i x) {
@@ -168,6 +172,88 @@ static inline void for_each_group(const uint8_t* row, int64_t K, F&& f) {
     }
 }
 
+#ifdef LOCALRUN_VNNI
+// Types whose pairs of groups decode straight into one 512-bit register (for_each_pair); the
+// others (Q8_0, Q6_K) join two 256-bit groups from for_each_group.
+template <int QT> constexpr bool PAIRED = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
+
+// Visit every pair of groups (2p, 2p + 1) of a weight row: f(p, codes, a, b) with group 2p's 32
+// codes in the low 256 bits and group 2p + 1's in the high ones, a and b in the matching 8 lanes
+// each: the same register pair_rows gets from joining two for_each_group groups, decoded in
+// about half the instructions (scales as one half-float vector, no per-group broadcasts).
+// 32-value types need an even number of groups (the caller checks).
+template <int QT, class F>
+static inline void for_each_pair(const uint8_t* row, int64_t K, F&& f) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
+        constexpr int bytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : 24;
+        constexpr int qs_at = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
+        constexpr bool MIN = QT == Q4_1 || QT == Q5_1;           // d and m, else d only
+        const __m512i pick_a = MIN ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0)
+                                   : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i pick_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+        for (int64_t p = 0; p < K / 64; p++) {
+            const uint8_t* b0 = row + 2 * p * bytes;
+            const uint8_t* b1 = b0 + bytes;
+            const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(b0 + qs_at))),
+                                                      _mm_loadu_si128((const __m128i*)(b1 + qs_at)), 1);
+            // [qs0 | qs1 | qs0 >> 4 | qs1 >> 4] -> [lo0 | hi0 | lo1 | hi1] (128-bit lanes 0, 2, 1, 3)
+            __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
+            __m512i q = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+            if constexpr (QT == Q5_0 || QT == Q5_1) {               // 5th bits: byte i <- bit i of qh0, qh1
+                uint32_t h0, h1;
+                std::memcpy(&h0, b0 + (QT == Q5_0 ? 2 : 4), 4); std::memcpy(&h1, b1 + (QT == Q5_0 ? 2 : 4), 4);
+                q = _mm512_mask_add_epi8(q, _cvtu64_mask64((uint64_t)h0 | ((uint64_t)h1 << 32)), q, _mm512_set1_epi8(0x10));
+            }
+            __m512 a, b;
+            if constexpr (MIN) {                                     // [d0 m0 d1 m1]
+                uint32_t dm0, dm1; std::memcpy(&dm0, b0, 4); std::memcpy(&dm1, b1, 4);
+                const __m512 h = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)dm0), (int)dm1, 1)));
+                a = _mm512_permutexvar_ps(pick_a, h);
+                b = _mm512_permutexvar_ps(pick_b, h);
+            } else {                                                 // [d0 d1]
+                uint16_t d0, d1; std::memcpy(&d0, b0, 2); std::memcpy(&d1, b1, 2);
+                const __m512 h = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)d0 | ((uint32_t)d1 << 16)))));
+                a = _mm512_permutexvar_ps(pick_a, h);
+                b = _mm512_mul_ps(a, _mm512_set1_ps(QT == Q4_0 ? -8.f : -16.f));
+            }
+            f(p, q, a, b);
+        }
+    } else if constexpr (QT == Q4_K || QT == Q5_K) {
+        // a 32-byte chunk c of qs holds sub-block 2c in its low nibbles and 2c + 1 in its high ones
+        constexpr int bytes = QT == Q4_K ? 144 : 176;
+        const __m512i halves_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t* blk = row + sb * bytes;
+            const float d = f16(blk), dmin = f16(blk + 2);
+            alignas(32) float av[8], bv[8];
+            for (int j = 0; j < 8; j++) {
+                int sc, m; scale_min_k4(j, blk + 4, sc, m);
+                av[j] = d * (float)sc; bv[j] = -dmin * (float)m;
+            }
+            const __m512 A = _mm512_castps256_ps512(_mm256_load_ps(av)), B = _mm512_castps256_ps512(_mm256_load_ps(bv));
+            const uint8_t* qs = blk + (QT == Q4_K ? 16 : 48);
+            __m512i qh2;
+            if constexpr (QT == Q5_K) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+                qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+            }
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+                __m512i q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
+                if constexpr (QT == Q5_K) {                          // bit j of qh byte i: value i of sub-block j
+                    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+                    const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(qh2, shift), _mm512_set1_epi8(1));
+                    q = _mm512_or_si512(q, _mm512_slli_epi16(bit, 4));
+                }
+                const __m512i idx = _mm512_add_epi32(halves_idx, _mm512_set1_epi32(2 * c));
+                f(sb * 4 + c, q, _mm512_permutexvar_ps(idx, A), _mm512_permutexvar_ps(idx, B));
+            }
+        }
+    }
+}
+#endif
+
 // y[m, n] for rows m in [m0, m0 + R) of qx and weight rows n in [n0, n1); y has row stride ldy.
 template <int QT, int R>
 static void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t m0,
@@ -185,11 +271,17 @@ static void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
         __m512 acc[R];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         __m256i q0 = _mm256_setzero_si256(); __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps();
-        for_each_group<QT>(w + n * row_bytes, qx.K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
-            if (g % 2 == 0) { q0 = q; a0 = a; b0 = b; return; }
-            const Pair p{join(q0, q), join(a0, a), join(b0, b)};
-            pair_rows<SIGNED, R>(p, g - 1, xq, dxv, sxv, acc);
-        });
+        if (PAIRED<QT> && G % 2 == 0) {
+            for_each_pair<QT>(w + n * row_bytes, qx.K, [&](int64_t p, __m512i q, __m512 a, __m512 b) {
+                pair_rows<SIGNED, R>(Pair{q, a, b}, 2 * p, xq, dxv, sxv, acc);
+            });
+        } else {
+            for_each_group<QT>(w + n * row_bytes, qx.K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
+                if (g % 2 == 0) { q0 = q; a0 = a; b0 = b; return; }
+                const Pair p{join(q0, q), join(a0, a), join(b0, b)};
+                pair_rows<SIGNED, R>(p, g - 1, xq, dxv, sxv, acc);
+            });
+        }
         float tail[R] = {};
         if (G % 2) {            // the last group alone, in the low half
             for (int r = 0; r < R; r++) {
@@ -222,6 +314,12 @@ static void rows_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
         int64_t m = 0;
         for (; m + TILE <= M; m += TILE) rows_tile<QT, TILE>(w, row_bytes, nc, ne, qx, m, y, ldy);
         switch (M - m) {
+#ifdef LOCALRUN_VNNI
+            case 7: rows_tile<QT, 7>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
+            case 6: rows_tile<QT, 6>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
+            case 5: rows_tile<QT, 5>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
+            case 4: rows_tile<QT, 4>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
+#endif
             case 3: rows_tile<QT, 3>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
             case 2: rows_tile<QT, 2>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
             case 1: rows_tile<QT, 1>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
@@ -262,7 +360,7 @@ static void rows_all_f32(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_
     for (int64_t nc = n0; nc < n1; nc += NCHUNK) {
         const int64_t ne = nc + NCHUNK < n1 ? nc + NCHUNK : n1;
         int64_t m = 0;
-        for (; m + TILE <= M; m += TILE) rows_tile_f32<QT, TILE>(w, row_bytes, nc, ne, x, K, m, y, ldy);
+        for (; m + 4 <= M; m += 4) rows_tile_f32<QT, 4>(w, row_bytes, nc, ne, x, K, m, y, ldy);
         switch (M - m) {
             case 3: rows_tile_f32<QT, 3>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
             case 2: rows_tile_f32<QT, 2>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
