@@ -1,7 +1,9 @@
 """The public Python API: `localrun.LLM`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from localrun.executor import build_model, use_quantized
 from localrun.model.llama import Transformer
 from localrun.models import resolve_model
 from localrun.runner import SequenceRunner
-from localrun.sampling import SamplingParams
+from localrun.sampling import SamplingParams, TokenLogprob
 from localrun.text_stream import TextStream
 from localrun.tokenizer import Tokenizer
 
@@ -47,6 +49,11 @@ class GenerationResult:
     finish_reason: str                      # "stop" | "length"
     timings: dict = field(default_factory=dict)
     dropped_messages: int = 0               # chat: oldest messages left out to fit the context
+    logprobs: list[TokenLogprob] | None = None   # per generated token, when logprobs= was given
+    tool_calls: list[dict] | None = None    # chat with tools: OpenAI-shaped calls parsed from the reply
+
+
+MAX_N = 16      # choices per prompt (n): each is a sequence of the engine; they share the prompt's KV
 
 
 class LLM:
@@ -195,17 +202,27 @@ class LLM:
         return out.float()
 
     # -- generation -----------------------------------------------------------------------
-    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], **kwargs):
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], *, n: int = 1, **kwargs):
         """Complete `prompt` (text or token ids). Keyword arguments are SamplingParams fields:
-        max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, ignore_eos.
-        A list of prompts runs them together (continuous batching) and returns a list."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            results: dict[int, GenerationResult] = {}
-            for item in self._run(list(prompt), kwargs):
-                if isinstance(item[1], GenerationResult):
-                    results[item[0]] = item[1]
-            return [results[i] for i in range(len(prompt))]
-        return next(r for _, r in self._run([prompt], kwargs) if isinstance(r, GenerationResult))
+        max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty,
+        frequency_penalty, seed, stop, ignore_eos, logit_bias, logprobs (k: each token's logprob
+        and the k most likely, k <= 20; in result.logprobs), and json_schema= (a dict or JSON
+        text) or grammar= (GBNF or Lark) to hold the output to it.
+        A list of prompts runs them together (continuous batching) and returns a list.
+        n > 1 (at most MAX_N) gives n choices of one prompt, as a list: one prefill, n decodes;
+        choice i samples with seed + i, so a seeded call is reproducible choice by choice."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            raise UserError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+        many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        prompts = list(prompt) if many else [prompt]
+        expanded = [p for p in prompts for _ in range(n)]
+        results: dict[int, GenerationResult] = {}
+        for index, item in self._run(expanded, kwargs, n=n):
+            if isinstance(item, GenerationResult):
+                results[index] = item
+        flat = [results[i] for i in range(len(expanded))]
+        grouped = [flat[i * n:(i + 1) * n] for i in range(len(prompts))] if n > 1 else flat
+        return grouped if many else grouped[0]
 
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Yield text pieces as they are generated (never a broken UTF-8 character).
@@ -216,35 +233,77 @@ class LLM:
             elif item:
                 yield item
 
-    def chat(self, messages: list[dict], *, stream: bool = False, **kwargs):
+    def chat(self, messages: list[dict], *, stream: bool = False, tools: list[dict] | None = None,
+             tool_choice: str | dict = "auto", parallel_tool_calls: bool = True, **kwargs):
         """Reply to a conversation ([{role, content}, ...]) through the model's chat template.
         Returns a GenerationResult, or an iterator of text pieces when stream=True.
         A conversation too long for the context loses its oldest turns (the system prompt
-        stays); result.dropped_messages (self.last_dropped_messages) says how many went."""
-        messages, self.last_dropped_messages = self.fit_chat(messages, kwargs.get("max_tokens"))
-        ids = self.chat_prompt_ids(messages)
+        stays); result.dropped_messages (self.last_dropped_messages) says how many went.
+        tools: OpenAI tool definitions, rendered by the template; tool_choice "auto", "none",
+        "required" or {"type": "function", "function": {"name": ...}} (the last two enforced
+        by a grammar); the calls the reply makes land in result.tool_calls (OpenAI-shaped)."""
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls) if tools else None
+        if plan is not None and plan.constraint is not None:
+            kwargs["constraint"] = plan.constraint
+        render_tools = plan.tools if plan is not None else None
+        messages, self.last_dropped_messages = self.fit_chat(messages, kwargs.get("max_tokens"), tools=render_tools)
+        ids = self.chat_prompt_ids(messages, tools=render_tools)
         if stream:
             return self.stream(ids, **kwargs)
         result = self.generate(ids, **kwargs)
         result.dropped_messages = self.last_dropped_messages
+        if plan is not None and plan.tools:
+            content, calls = plan.parse(result.text)
+            if calls:
+                result.text, result.tool_calls, result.finish_reason = content or "", [c.to_openai() for c in calls], \
+                    "tool_calls"
         return result
 
+    def tool_plan(self, tools: list[dict], tool_choice="auto", parallel_tool_calls: bool = True):
+        """How a chat with `tools` runs on this model (localrun.tools.ToolPlan); ToolError
+        (a UserError naming the field) for tools the template cannot take or an unknown name."""
+        from localrun.tools import ToolPlan
+        return ToolPlan.build(tools, tool_choice, parallel_tool_calls, self.config.chat_template,
+                              self.grammar_compiler)
+
+    @cached_property
+    def grammar_compiler(self):
+        """JSON schemas and grammars compiled to token masks for this vocabulary (cached)."""
+        from localrun.grammar import GrammarCompiler
+        return GrammarCompiler(self.tokenizer, self.tokenizer.eog_ids)
+
+    def constraint(self, json_schema=None, grammar: str | None = None):
+        """The compiled constraint for generate's json_schema= (dict or JSON text) or grammar=."""
+        from localrun.grammar import GrammarError
+        if json_schema is not None and grammar is not None:
+            raise GrammarError("grammar", "give json_schema or grammar, not both")
+        if json_schema is not None:
+            if isinstance(json_schema, str):
+                try:
+                    json_schema = json.loads(json_schema)
+                except ValueError as e:
+                    raise GrammarError("json_schema", f"json_schema is not valid JSON ({e})") from None
+            return self.grammar_compiler.json_schema(json_schema, "json_schema")
+        if grammar is not None:
+            return self.grammar_compiler.grammar(grammar, "grammar")
+        return None
+
     def fit_chat(self, messages: list[dict], max_tokens: int | None = None, *,
-                 target: int | None = None) -> tuple[list[dict], int]:
+                 target: int | None = None, tools: list[dict] | None = None) -> tuple[list[dict], int]:
         """(messages that fit, number dropped): the oldest turns go when the prompt plus the
         reply's tokens (max_tokens, at most half the context) would exceed n_ctx. `target`
         (a token count) drops more at once, so that later turns reuse the cached prefix."""
         if max_tokens is None:
             max_tokens = SamplingParams().max_tokens
         reserve = min(max_tokens, self.n_ctx // 2)
-        return fit_messages(messages, lambda m: len(self.chat_prompt_ids(m)), self.n_ctx, reserve,
+        return fit_messages(messages, lambda m: len(self.chat_prompt_ids(m, tools=tools)), self.n_ctx, reserve,
                             target=target)
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        text = render_chat(self.config.chat_template, messages, bos_token=bos, eos_token=eos)
+        text = render_chat(self.config.chat_template, messages, bos_token=bos, eos_token=eos, tools=tools)
         # templates that write BOS themselves (or start with it, as ChatML does for SmolLM2)
         # must not get a second one
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
@@ -268,6 +327,11 @@ class LLM:
 
     def _params(self, kwargs) -> SamplingParams:
         kwargs = dict(kwargs)
+        constraint = self.constraint(kwargs.pop("json_schema", None), kwargs.pop("grammar", None))
+        if constraint is not None:
+            if kwargs.get("constraint") is not None:
+                raise UserError("give one of json_schema, grammar and tools that force a call")
+            kwargs["constraint"] = constraint
         stop = kwargs.pop("stop", None)
         if stop is not None:
             kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -276,11 +340,14 @@ class LLM:
         except TypeError as e:
             raise UserError(f"unknown generation option: {e}") from None
 
-    def _run(self, prompts: list, kwargs) -> Iterator[tuple[int, str | GenerationResult]]:
+    def _run(self, prompts: list, kwargs, n: int = 1) -> Iterator[tuple[int, str | GenerationResult]]:
         """Run prompts through the engine; yield (prompt index, text piece), and at the end of
-        each request (prompt index, GenerationResult)."""
+        each request (prompt index, GenerationResult). With n > 1, prompts holds each prompt n
+        times in a row, and copy i of a seeded prompt samples with seed + i."""
         arrival = time.perf_counter()
         params = self._params(kwargs)
+        per_prompt = [params if n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i % n)
+                      for i in range(len(prompts))]
         engine, eog = self.engine, self.tokenizer.eog_ids
         requests = {}
         for i, prompt in enumerate(prompts):
@@ -295,9 +362,10 @@ class LLM:
             requests[f"req-{next(self._request_ids)}"] = (i, ids)
         texts = {rid: TextStream(self.tokenizer, params.stop) for rid in requests}
         out_ids = {rid: [] for rid in requests}
+        logprobs = {rid: [] for rid in requests}
         try:
-            for rid, (_, ids) in requests.items():
-                engine.add_request(rid, ids, params, arrival_time=arrival)
+            for rid, (i, ids) in requests.items():
+                engine.add_request(rid, ids, per_prompt[i], arrival_time=arrival)
             pending = set(requests)
             while pending:
                 for out in engine.step():
@@ -307,6 +375,8 @@ class LLM:
                     index, text = requests[rid][0], texts[rid]
                     if out.token_id is not None and not (out.token_id in eog and not params.ignore_eos):
                         out_ids[rid].append(out.token_id)
+                        if out.logprob is not None:
+                            logprobs[rid].append(out.logprob)
                         piece = text.feed(out.token_id)
                         if piece:
                             yield index, piece
@@ -322,7 +392,8 @@ class LLM:
                             yield index, tail
                         reason = out.seq.finish_reason
                         finish = "stop" if text.stopped or reason == "stop" else "abort" if reason == "abort" else "length"
-                        yield index, GenerationResult(text.text, out_ids[rid], finish, self._timings(out.seq))
+                        yield index, GenerationResult(text.text, out_ids[rid], finish, self._timings(out.seq),
+                                                      logprobs=logprobs[rid] if params.logprobs is not None else None)
         finally:   # Ctrl-C or an abandoned stream: free the requests' blocks
             for rid in requests:
                 engine.abort(rid)

@@ -99,6 +99,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
           spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram."),
           draft_max: int = typer.Option(4, "--draft-max", help="The most tokens drafted per step."),
           alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients use (default: the name given)."),
+          strict_model_name: bool = typer.Option(False, "--strict-model-name", help="Answer 404 to requests naming "
+                                                 "another model (default: serve the one model under any name)."),
           max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes (also "
                                        "bounded by what the context can hold)."),
           allow_origin: Optional[List[str]] = typer.Option(None, "--allow-origin", help="A web origin allowed to "
@@ -144,7 +146,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     given = model or DEFAULT_MODEL
     name = alias or (given if not given.endswith(".gguf") else llm.model_path.stem)
     aliases = frozenset({llm.model_path.name, llm.model_path.stem, str(llm.model_path)} - {name})
-    app = create_app(llm, ServerConfig(name, aliases, api_key, max_body, access=access))
+    app = create_app(llm, ServerConfig(name, aliases, api_key, max_body, access=access,
+                                       strict_model_name=strict_model_name))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("localrun").setLevel(log_level.upper())
     stats = llm.engine.stats()

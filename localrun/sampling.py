@@ -1,9 +1,19 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p,
-repetition penalty, logit bias, seeded. The order of the filters follows llama.cpp's default
-chain (logit bias -> penalties -> top-k -> top-p -> min-p -> temperature -> draw)."""
+repetition penalty, OpenAI's presence and frequency penalties, logit bias, a grammar's token
+mask, logprobs, seeded. The order follows llama.cpp's default chain:
+logit bias -> penalties -> grammar mask -> [logprobs] -> top-k -> top-p -> min-p -> temperature -> draw.
+
+logprobs are the log-softmax of the logits after logit_bias, the penalties and the grammar
+mask, before temperature and the top-k/top-p/min-p truncation: the model's distribution as
+the request shaped it, the same at any temperature (greedy included), and never -inf for a
+token that truncation alone dropped.
+
+A sequence's mutable sampler state (`SamplerState`: where its output starts, its grammar
+matcher, its recorded logprobs) rides on its own copy of the params (`state`), which the
+engine attaches when the sequence is added."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +36,8 @@ MIN_TEMPERATURE = 1e-6      # a positive temperature below this samples as this 
 SEED_MODULUS = 2 ** 64      # torch generators take a 64-bit seed; any integer is mapped into it
 LOGIT_BIAS_RANGE = (-100.0, 100.0)     # OpenAI's; -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS_TOKENS = 1024
+PENALTY_RANGE = (-2.0, 2.0)            # OpenAI's presence_penalty and frequency_penalty
+MAX_TOP_LOGPROBS = 20                  # OpenAI's bound on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); a dict is accepted
     speculative: bool = True        # False: never draft for this request, even when the engine speculates
+    presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
+    logprobs: int | None = None     # None: none; k: the sampled token's logprob and the k most likely (k <= 20)
+    constraint: object = None       # a grammar.Constraint (JSON schema, grammar): tokens outside it are masked
+    state: object = field(default=None, compare=False, repr=False)   # SamplerState, per sequence (engine)
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, low=0)
@@ -56,6 +73,19 @@ class SamplingParams:
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidSamplingParam("stop", "stop must be a sequence of non-empty strings")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        _number("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
+        _number("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, low=0)
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise InvalidSamplingParam("logprobs", f"logprobs (top_logprobs) must be at most {MAX_TOP_LOGPROBS}, "
+                                                       f"got {self.logprobs}")
+
+    @property
+    def needs_state(self) -> bool:
+        """True when sampling needs per-sequence state (output counts, a matcher, logprobs)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.logprobs is not None
+                or self.constraint is not None)
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +163,41 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the `k` most likely tokens' (id, logprob)."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class SamplerState:
+    """One sequence's sampling state: the number of prompt tokens (the penalties count the
+    output only), its grammar matcher, kept in step with the sequence's tokens, and the
+    logprobs recorded for each sampled token until the engine reports them."""
+
+    def __init__(self, num_prompt_tokens: int, matcher=None):
+        self.num_prompt_tokens = num_prompt_tokens
+        self.matcher = matcher
+        self.num_consumed = 0           # output tokens the matcher has consumed
+        self.logprobs: list[TokenLogprob] = []
+
+    def output(self, recent) -> list[int]:
+        return list(recent[self.num_prompt_tokens:])
+
+    def sync(self, recent) -> None:
+        """Feed the matcher the output tokens it has not seen (sampled since the last call)."""
+        if self.matcher is None:
+            return
+        new = self.output(recent)[self.num_consumed:]
+        for token_id in new:
+            self.matcher.consume(token_id)
+        self.num_consumed += len(new)
+
+    def take_logprob(self) -> TokenLogprob | None:
+        return self.logprobs.pop(0) if self.logprobs else None
+
+
 def probabilities(logits: torch.Tensor, p: SamplingParams,
                   recent: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
     """The distribution `sample` draws from, (V,) float32: what speculative decoding's
@@ -145,11 +210,30 @@ def probabilities(logits: torch.Tensor, p: SamplingParams,
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
            recent: list[int] | tuple[int, ...] = ()) -> int:
-    """One token id from next-token logits (V,) float32."""
+    """One token id from next-token logits (V,) float32. `recent`: the sequence's tokens so far
+    (prompt and output), for the penalties and the grammar."""
+    state = p.state
     logits = _penalized(logits, p, recent)
+    if state is not None and state.matcher is not None:
+        state.sync(recent)
+        logits = state.matcher.mask(logits)
     if p.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(_filtered_probs(logits, p), 1, generator=generator))
+        token_id = int(logits.argmax())
+    else:
+        token_id = int(torch.multinomial(_filtered_probs(logits, p), 1, generator=generator))
+    if state is not None and p.logprobs is not None:
+        state.logprobs.append(token_logprob(logits, token_id, p.logprobs))
+    return token_id
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """The sampled token's logprob and the top k, from processed logits (V,): ties ranked by id."""
+    logprobs = torch.log_softmax(logits.double(), -1).float()
+    top = []
+    if k:
+        values, ids = torch.topk(logprobs, min(k, logprobs.shape[0]))
+        top = [(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist())]
+    return TokenLogprob(token_id, float(logprobs[token_id]), top)
 
 
 def _penalized(logits: torch.Tensor, p: SamplingParams, recent) -> torch.Tensor:
@@ -158,7 +242,20 @@ def _penalized(logits: torch.Tensor, p: SamplingParams, recent) -> torch.Tensor:
         logits = logits.index_add(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
     if p.repeat_penalty != 1.0 and p.repeat_last_n:   # only then look at the history (per token)
         logits = apply_repeat_penalty(logits, list(recent[-p.repeat_last_n:]), p.repeat_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and p.state is not None:
+        logits = apply_openai_penalties(logits, p.state.output(recent), p.presence_penalty, p.frequency_penalty)
     return logits
+
+
+def apply_openai_penalties(logits: torch.Tensor, output: list[int], presence: float,
+                           frequency: float) -> torch.Tensor:
+    """OpenAI's rule over the tokens generated so far (not the prompt), with c[j] the count of
+    token j: logit[j] -= c[j] * frequency + (c[j] > 0) * presence."""
+    if not output or (presence == 0 and frequency == 0):
+        return logits
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[0])[:logits.shape[0]]
+    counts = counts.to(logits.dtype)
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

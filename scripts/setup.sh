@@ -69,7 +69,7 @@ if [ ! -f "$STAMP" ]; then
 fi
 
 # the project itself, editable, with the test tools
-if ! "$VENV/bin/python" -c "import localrun, pytest, hypothesis" >/dev/null 2>&1 || [ pyproject.toml -nt "$VENV/.project-installed" ]; then
+if ! "$VENV/bin/python" -c "import localrun, pytest, hypothesis, llguidance, jsonschema" >/dev/null 2>&1 || [ pyproject.toml -nt "$VENV/.project-installed" ]; then
     say "installing localrun (editable)"
     $PIP install -q -e ".[dev]"
     touch "$VENV/.project-installed"

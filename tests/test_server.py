@@ -133,8 +133,17 @@ BAD_INPUTS = [
     ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "invalid_request_error"),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 99999]}, 400, "invalid_request_error"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "invalid_request_error"),
-    ("unknown model", "/v1/chat/completions", chat_body() | {"model": "gpt-9"}, 404, "invalid_request_error"),
-    ("n > 1", "/v1/chat/completions", chat_body(n=2), 400, "invalid_request_error"),
+    ("n above the bound", "/v1/chat/completions", chat_body(n=17), 400, "invalid_request_error"),
+    ("top_logprobs above 20", "/v1/chat/completions", chat_body(logprobs=True, top_logprobs=21), 400,
+     "invalid_request_error"),
+    ("malformed schema", "/v1/chat/completions", chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strng"}}}}}), 400,
+     "invalid_request_error"),
+    ("completions logprobs above 20", "/v1/completions", {"prompt": "x", "max_tokens": 2, "logprobs": 21}, 400,
+     "invalid_request_error"),
+    ("malformed grammar", "/v1/completions", {"prompt": "x", "grammar": "root ::= (("}, 400, "invalid_request_error"),
+    ("tools without template support", "/v1/chat/completions",
+     chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "invalid_request_error"),
     ("temperature out of range", "/v1/chat/completions", chat_body(temperature=5), 400, "invalid_request_error"),
     ("image content", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
@@ -152,6 +161,20 @@ def test_bad_input_gets_an_openai_error(url, name, path, body, status, err_type)
     error = r.json()["error"]
     assert error["type"] == err_type and isinstance(error["message"], str) and error["message"]
     assert "Traceback" not in error["message"]
+
+
+def test_any_model_name_is_served_by_the_one_model_and_answered_with_its_real_id(url):
+    for name in ("gpt-4o", "gpt-4o", "claude-3-opus"):
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=2) | {"model": name}, timeout=30)
+        assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
+def test_strict_model_name_keeps_the_404(ref):
+    with running(create_app(ref, ServerConfig(MODEL, strict_model_name=True))) as strict:
+        r = httpx.post(f"{strict}/v1/chat/completions", json=chat_body(max_tokens=2) | {"model": "gpt-9"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        ok = httpx.post(f"{strict}/v1/chat/completions", json=chat_body(max_tokens=2), timeout=30)
+        assert ok.status_code == 200 and ok.json()["model"] == MODEL
 
 
 def test_wrong_method_is_405(url):

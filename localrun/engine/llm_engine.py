@@ -11,6 +11,7 @@ never be used at once).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -27,7 +28,7 @@ from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.engine.speculative import SpeculativeConfig, make_speculator
 from localrun.errors import UserError
 from localrun.model.llama import Transformer
-from localrun.sampling import InvalidSamplingParam, SamplingParams
+from localrun.sampling import InvalidSamplingParam, SamplerState, SamplingParams, TokenLogprob
 
 HOST_MEMORY_FRACTION = 0.25     # of available RAM, for layers on the CPU
 DEVICE_MEMORY_FRACTION = 0.5    # of free accelerator memory (the weights are already there)
@@ -39,6 +40,7 @@ class StepOutput(NamedTuple):
                              # (a speculative step that keeps n tokens reports n outputs, in order)
     finished: bool           # seq.finish_reason says why ("stop", "length", "abort", "error")
     error: str | None = None  # finish_reason "error": what failed (this request alone)
+    logprob: TokenLogprob | None = None   # the token's logprobs, when its params ask for them
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -147,6 +149,13 @@ class LLMEngine:
         if params.logit_bias and params.logit_bias[-1][0] >= n_vocab:
             raise InvalidSamplingParam("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}, "
                                                      f"outside the vocabulary (0..{n_vocab - 1})")
+        if params.needs_state:     # its own copy of the params, with its own sampler state
+            matcher = params.constraint.new_matcher() if params.constraint is not None else None
+            # drafts would be checked against one distribution for several prefixes: a grammar
+            # matcher and recorded logprobs follow one token at a time
+            speculative = params.speculative and matcher is None and params.logprobs is None
+            params = dataclasses.replace(params, state=SamplerState(len(prompt_ids), matcher),
+                                         speculative=speculative)
         seq = Sequence(request_id, prompt_ids, params, arrival_time)
         if params.max_tokens == 0:      # nothing to compute: done as soon as it arrives
             if seq.timeline.arrival is None:
@@ -201,8 +210,11 @@ class LLMEngine:
                 outputs.append(StepOutput(entry.seq, None, True, errors[entry.seq.request_id]))
                 continue
             token_ids = entry.output_token_ids or [None]
+            state = entry.seq.sampling_params.state if entry.seq.sampling_params is not None else None
             for i, token_id in enumerate(token_ids):
-                outputs.append(StepOutput(entry.seq, token_id, entry.seq.is_finished and i == len(token_ids) - 1))
+                logprob = state.take_logprob() if state is not None and token_id is not None else None
+                outputs.append(StepOutput(entry.seq, token_id, entry.seq.is_finished and i == len(token_ids) - 1,
+                                          logprob=logprob))
         for seq in finished:
             self._release(seq)
         if not self.scheduler.has_unfinished():

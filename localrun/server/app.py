@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import secrets
 import time
@@ -25,7 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localrun.errors import UserError
+from localrun.grammar import GrammarError
 from localrun.sampling import InvalidSamplingParam, SamplingParams
+from localrun.tools import ToolError, ToolPlan
 from localrun.server.engine_loop import EngineLoop, Event, ServerRequest
 from localrun.server.guard import AccessPolicy, RequestGuard
 from localrun.server.json_body import ClientGone, decode, read_body
@@ -51,10 +55,22 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
     access: AccessPolicy = AccessPolicy()
+    strict_model_name: bool = False      # True: a request naming another model gets a 404
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise UserError("the API key must not be empty; give a key or none")
+
+
+@dataclass
+class Prepared:
+    """A request checked and ready for the engine."""
+    body: object
+    model: str                  # the real id, whatever name the request used
+    prompt_ids: list[int]
+    dropped: int                # chat: oldest messages left out to fit the context
+    params: SamplingParams
+    tool_plan: ToolPlan | None = None
 
 
 class Server:
@@ -68,6 +84,7 @@ class Server:
         self.created = int(time.time())
         self.body_limit = min(config.max_body_bytes, context_body_bytes(llm))
         self.worker = anyio.CapacityLimiter(1)     # prompt preparation, one request at a time
+        self.names_seen: set[str] = set()          # other model names clients used (logged once each)
 
     # --- checks ------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -83,28 +100,73 @@ class Server:
                            type="authentication_error", code="invalid_api_key")
 
     def check_model(self, name: str | None) -> str:
+        """The real id. One model is served: any name gets it (as llama.cpp's server does, for
+        scripts that hard-code a cloud model's name), logged once per name; with
+        strict_model_name an unknown name gets a 404."""
         if name is None or name == self.config.model_name or name in self.config.aliases:
             return self.config.model_name
-        raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                            f"'{self.config.model_name}'", code="model_not_found", param="model")
+        if self.config.strict_model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.config.model_name}'", code="model_not_found", param="model")
+        if name not in self.names_seen and len(self.names_seen) < 1024:
+            self.names_seen.add(name)
+            log.info("requests name the model %r: serving %r (start with --strict-model-name to refuse)",
+                     name[:100], self.config.model_name)
+        return self.config.model_name
 
     async def read_body(self, request: Request) -> bytes:
         return await read_body(request, self.body_limit, self.config.body_timeout_s)
 
-    async def prepare(self, raw: bytes, chat: bool) -> tuple:
-        """Off the event loop: (body, model name, prompt ids, dropped messages, SamplingParams)."""
+    async def prepare(self, raw: bytes, chat: bool) -> Prepared:
+        """Off the event loop: the checked body, its prompt ids and its SamplingParams."""
         return await anyio.to_thread.run_sync(self._prepare, raw, chat, limiter=self.worker)
 
-    def _prepare(self, raw: bytes, chat: bool) -> tuple:
+    def _prepare(self, raw: bytes, chat: bool) -> Prepared:
         body = parse(ChatCompletionRequest if chat else CompletionRequest, raw, decode(raw))
         body.refuse_unsupported()
         name = self.check_model(body.model)
         check_sampling(body, self.llm.n_vocab)       # before the costly part
+        try:
+            plan = self.tool_plan(body) if chat else None
+            constraint = self.constraint(body, plan)
+        except (GrammarError, ToolError) as e:
+            raise APIError(400, str(e), param=e.field) from None
         if chat:
-            prompt_ids, dropped = self.chat_prompt(body)
+            prompt_ids, dropped = self.chat_prompt(body, plan)
         else:
             prompt_ids, dropped = self.completion_prompt(body), 0
-        return body, name, prompt_ids, dropped, self.sampling_params(body, prompt_ids)
+        params = self.sampling_params(body, prompt_ids)
+        if constraint is not None:
+            params = dataclasses.replace(params, constraint=constraint)
+        return Prepared(body, name, prompt_ids, dropped, params, plan)
+
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
+        if not body.tools:
+            if body.tool_choice not in (None, "none", "auto"):
+                raise ToolError("tool_choice", "tool_choice asks for a tool call but no tools were given")
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+        return self.llm.tool_plan(tools, choice, body.parallel_tool_calls)
+
+    def constraint(self, body, plan: ToolPlan | None):
+        """The one output constraint the body asks for (schema, grammar, forced tool call)."""
+        asked = body.constraint_fields()
+        if plan is not None and plan.forced:
+            asked.append(("tool_choice", "tools", plan.constraint))
+        if len(asked) > 1:
+            raise GrammarError(asked[1][0], f"{asked[0][0]} and {asked[1][0]} both constrain the output; give one")
+        if not asked:
+            return None
+        field, kind, source = asked[0]
+        compiler = self.llm.grammar_compiler
+        if kind == "tools":
+            return source
+        if kind == "json_object":
+            return compiler.json_object()
+        if kind == "json_schema":
+            return compiler.json_schema(source, field)
+        return compiler.grammar(source, field)
 
     def sampling_params(self, body, prompt_ids: list[int]) -> SamplingParams:
         n_ctx, n_prompt = self.llm.n_ctx, len(prompt_ids)
@@ -122,14 +184,14 @@ class Server:
         return SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
 
     # --- prompts -------------------------------------------------------------------------
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
+    def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> tuple[list[int], int]:
         """The prompt's token ids, and how many of the oldest messages were left out so that the
         conversation fits the context (system messages and the last turn always stay)."""
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = [template_message(m) for m in body.messages]
+        tools = plan.tools if plan is not None else None
         try:
-            messages, dropped = self.llm.fit_chat(messages, body.requested_max_tokens())
-            return self.llm.chat_prompt_ids(messages), dropped
+            messages, dropped = self.llm.fit_chat(messages, body.requested_max_tokens(), tools=tools)
+            return self.llm.chat_prompt_ids(messages, tools=tools), dropped
         except UserError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -141,11 +203,21 @@ class Server:
             raise APIError(400, str(e), param="prompt") from None
 
     # --- running ---------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> ServerRequest:
-        request = ServerRequest(f"{prefix}-{uuid.uuid4().hex[:24]}", prompt_ids, params,
-                                asyncio.get_running_loop())
-        self.loop.submit(request)
-        return request
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str, n: int = 1) -> list[ServerRequest]:
+        """n engine sequences for one request's n choices, sharing one event queue. Choice i
+        samples with seed + i, so a seeded request is reproducible choice by choice; the
+        siblings' prompt is computed once (the scheduler holds them until its blocks are
+        cached, then they hit the prefix cache)."""
+        request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        events: asyncio.Queue = asyncio.Queue()
+        requests = []
+        for i in range(n):
+            choice_params = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+            request = ServerRequest(request_id if i == 0 else f"{request_id}-{i}", prompt_ids, choice_params,
+                                    asyncio.get_running_loop(), events=events, index=i)
+            self.loop.submit(request)
+            requests.append(request)
+        return requests
 
     def log_request(self, request: ServerRequest, event: Event | None, status: str) -> None:
         if event is None or event.timings is None:
@@ -156,6 +228,28 @@ class Server:
                  "decode=%.1ftok/s", request.request_id, status, event.finish_reason,
                  t["prompt_tokens"], t["cached_tokens"] or 0, event.num_generated_tokens,
                  (t["queue_s"] or 0) * 1000, (t["ttft_s"] or 0) * 1000, t["decode_tok_s"] or 0.0)
+
+
+def template_message(m) -> dict:
+    """A request message as chat templates take it (HF's convention: a call's arguments as
+    an object, not the JSON text OpenAI sends)."""
+    out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except ValueError:
+                raise APIError(400, f"the arguments of tool call {call.id or call.function.name!r} are not JSON",
+                               param="messages") from None
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    return out
 
 
 def context_body_bytes(llm) -> int:
@@ -244,20 +338,20 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         server.check_auth(request)
-        body, name, prompt_ids, dropped, params = await server.prepare(await server.read_body(request), chat=True)
-        sreq = server.submit(prompt_ids, params, "chatcmpl")
-        if dropped:
-            log.info("%s: dropped the %d oldest messages to fit the context of %d", sreq.request_id, dropped,
+        p = await server.prepare(await server.read_body(request), chat=True)
+        sreqs = server.submit(p.prompt_ids, p.params, "chatcmpl", p.body.num_choices)
+        if p.dropped:
+            log.info("%s: dropped the %d oldest messages to fit the context of %d", sreqs[0].request_id, p.dropped,
                      llm.n_ctx)
-        return await respond(server, request, body, sreq, name, chat=True,
-                             extra_timings={"dropped_messages": dropped})
+        return await respond(server, request, p.body, sreqs, p.model, chat=True,
+                             extra_timings={"dropped_messages": p.dropped}, tool_plan=p.tool_plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         server.check_auth(request)
-        body, name, prompt_ids, _, params = await server.prepare(await server.read_body(request), chat=False)
-        sreq = server.submit(prompt_ids, params, "cmpl")
-        return await respond(server, request, body, sreq, name, chat=False, extra_timings={})
+        p = await server.prepare(await server.read_body(request), chat=False)
+        sreqs = server.submit(p.prompt_ids, p.params, "cmpl", p.body.num_choices)
+        return await respond(server, request, p.body, sreqs, p.model, chat=False, extra_timings={})
 
     return app
 

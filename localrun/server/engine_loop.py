@@ -33,6 +33,8 @@ class Event:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     message: str = ""              # for "error"
+    index: int = 0                 # the choice (n > 1) this event belongs to
+    logprobs: list = field(default_factory=list)   # TokenLogprob of the tokens since the last event
 
 
 @dataclass(eq=False)
@@ -47,9 +49,12 @@ class ServerRequest:
     stream: TextStream | None = None
     num_generated: int = 0
     last_token_at: float | None = None
+    index: int = 0                 # its choice among the request's n (they may share `events`)
+    pending_logprobs: list = field(default_factory=list)
 
     def put(self, event: Event) -> None:
         """Thread-safe: hand an event to the handler waiting on the event loop."""
+        event.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:       # the loop is closed: the server is shutting down
@@ -161,9 +166,11 @@ class EngineLoop:
             if self.observer:
                 self.observer.on_token(None if request.last_token_at is None else now - request.last_token_at)
             request.last_token_at = now
+            if out.logprob is not None:
+                request.pending_logprobs.append(out.logprob)
             piece = request.stream.feed(out.token_id)
             if piece:
-                request.put(Event("text", text=piece))
+                request.put(Event("text", text=piece, logprobs=self._take_logprobs(request)))
             if request.stream.stopped and not out.finished:
                 self.engine.finish_request(seq.request_id, "stop")
                 out = out._replace(finished=True)
@@ -171,8 +178,8 @@ class EngineLoop:
             return
         del self._requests[seq.request_id]
         tail = request.stream.finish()
-        if tail:
-            request.put(Event("text", text=tail))
+        if tail or request.pending_logprobs:
+            request.put(Event("text", text=tail, logprobs=self._take_logprobs(request)))
         stopped = request.stream.stopped or seq.finish_reason == "stop"
         finish = "stop" if stopped else "length"
         timings = seq.timings()
@@ -182,6 +189,11 @@ class EngineLoop:
                           num_generated_tokens=request.num_generated))
         if self.observer:
             self.observer.on_finish(request, seq, finish, now)
+
+    @staticmethod
+    def _take_logprobs(request: ServerRequest) -> list:
+        out, request.pending_logprobs = request.pending_logprobs, []
+        return out
 
     def _finish_abort(self, request_id: str, message: str) -> None:
         request = self._requests.pop(request_id)

@@ -3,17 +3,21 @@
 Bodies are decoded within limits (json_body), checked for fields we cannot honour, then
 validated with pydantic; any failure becomes an `APIError` whose `body()` is the OpenAI error
 object `{"error": {"message", "type", "param", "code"}}`. Every OpenAI field we do not
-implement (n > 1, logprobs, tools, response_format, penalties other than
-llama.cpp's repeat penalty, ...) is refused with a 400 naming it when it asks for something,
-rather than silently ignored; a field at its no-op value (n: 1, tools: []) passes. Fields no
-one defines are ignored, as OpenAI-compatible servers do. Sampling ranges are checked by
-SamplingParams, the same rule as the Python API's.
+implement (best_of > 1, functions, audio, ...) is refused with a 400 naming it when it asks
+for something, rather than silently ignored; a field at its no-op value (best_of: 1) passes.
+Fields no one defines are ignored, as OpenAI-compatible servers do. Sampling ranges are
+checked by SamplingParams, the same rule as the Python API's; schemas and grammars by
+localrun.grammar (failing closed), tools by localrun.tools.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from localrun.sampling import MAX_TOP_LOGPROBS
+
+MAX_N = 16      # choices per request: each is a sequence in the engine (one prefill, n decodes)
 
 
 class APIError(Exception):
@@ -36,9 +40,23 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None       # an assistant's earlier calls
+    tool_call_id: str | None = None                # a tool's answer: which call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -68,6 +86,11 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None     # token id (as a string, as OpenAI sends it) -> bias
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    grammar: str | None = None                     # llama.cpp's field: GBNF (or Lark)
+    json_schema: dict[str, Any] | None = None      # llama.cpp's field: a bare JSON schema
 
     def refuse_unsupported(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -78,8 +101,11 @@ class _Sampling(_Body):
 
     def sampling_kwargs(self) -> dict:
         """The SamplingParams fields the client set (others keep localrun's defaults)."""
-        out = {k: v for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed")
+        out = {k: v for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
+                              "presence_penalty", "frequency_penalty")
                if (v := getattr(self, k)) is not None}
+        if self.num_logprobs() is not None:
+            out["logprobs"] = self.num_logprobs()
         if self.stop is not None:
             out["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.logit_bias:
@@ -91,10 +117,82 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the sampled token's and the k most likely."""
+        raise NotImplementedError
+
+    def constraint_fields(self) -> list[tuple[str, str, Any]]:
+        """(field, kind, source) of each output constraint the body asks for."""
+        out = []
+        if self.grammar is not None:
+            out.append(("grammar", "grammar", self.grammar))
+        if self.json_schema is not None:
+            out.append(("json_schema", "json_schema", self.json_schema))
+        return out
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def constraint_fields(self) -> list[tuple[str, str, Any]]:
+        out = super().constraint_fields()
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            out.append(("response_format", "json_object", None))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            out.append(("response_format", "json_schema", fmt.json_schema.schema_))
+        return out
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -104,6 +202,10 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def requested_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens   # OpenAI's default for completions
@@ -137,16 +239,9 @@ def _no_op(*values):
 
 # OpenAI (and llama.cpp) fields we do not implement, with the values that ask for nothing
 UNSUPPORTED = {
-    "n": (_no_op(1), "n > 1 is not supported; send one request per completion"),
-    "best_of": (_no_op(1), "best_of is not supported; send one request per completion"),
-    "logprobs": (_no_op(False, 0), "logprobs are not supported"),
-    "top_logprobs": (_no_op(0), "top_logprobs are not supported"),
-    "tools": (_no_op([]), "tools (function calling) are not supported"),
-    "tool_choice": (_no_op("none"), "tool_choice is not supported; this server does not call tools"),
-    "functions": (_no_op([]), "functions (function calling) are not supported"),
-    "function_call": (_no_op("none"), "function_call is not supported; this server does not call tools"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "response_format other than text (JSON mode, schemas) is not supported"),
+    "best_of": (_no_op(1), "best_of is not supported; use n for several choices"),
+    "functions": (_no_op([]), "functions (the deprecated function calling) are not supported; use tools"),
+    "function_call": (_no_op("none"), "function_call (deprecated) is not supported; use tool_choice"),
     "audio": (_no_op(), "audio output is not supported"),
     "modalities": (_no_op(["text"]), "modalities other than text are not supported"),
     "prediction": (_no_op(), "predicted outputs are not supported"),
@@ -154,25 +249,11 @@ UNSUPPORTED = {
     "reasoning_effort": (_no_op(), "reasoning_effort is not supported"),
     "echo": (_no_op(False), "echo is not supported"),
     "suffix": (_no_op(""), "suffix (fill-in-the-middle) is not supported"),
-    "grammar": (_no_op(""), "grammar (constrained output) is not supported"),
-    "json_schema": (_no_op(), "json_schema (constrained output) is not supported"),
     "mirostat": (_no_op(0), "mirostat sampling is not supported"),
     "typical_p": (_no_op(1, 1.0), "typical_p sampling is not supported"),
 }
-PENALTIES = ("presence_penalty", "frequency_penalty")     # OpenAI's range: [-2, 2]
-
-
 def refuse_unsupported(data: dict) -> None:
     """A 400 naming the first field that asks for something this server does not do."""
-    for name in PENALTIES:
-        value = data.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
-            raise APIError(400, f"{name} must be a number in [-2, 2], got {value!r}", param=name)
-        if value != 0:
-            raise APIError(400, f"{name} is not supported; use repeat_penalty (llama.cpp's rule)",
-                           param=name)
     for name, (is_no_op, message) in UNSUPPORTED.items():
         if name in data and not is_no_op(data[name]):
             raise APIError(400, message, param=name, code="unsupported_parameter")
