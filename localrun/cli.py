@@ -71,6 +71,8 @@ def _warn_template(llm) -> None:
     if llm.config.chat_template_error:
         err.print(f"[yellow]warning: {llm.config.chat_template_error}; using the built-in ChatML template[/yellow]",
                   soft_wrap=True)
+    elif llm.config.chat_template_notice:      # no template in the file: the family's turn format
+        err.print(f"[yellow]note: {llm.config.chat_template_notice}[/yellow]", soft_wrap=True)
 
 
 def _stats_line(t: dict) -> str:
@@ -202,9 +204,20 @@ def generate(model: Optional[str] = ModelArg,
 
 @app.command()
 def info(model: Optional[str] = ModelArg,
-         as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+         families: bool = typer.Option(False, "--families", help="List the model families localrun runs.")):
     """Architecture, shapes and tensor types of a model (from its header; no weights read)."""
     from collections import Counter
+    if families:
+        from layerplan.architectures import ARCHITECTURES
+        if as_json:
+            out.print_json(json.dumps({name: a.description for name, a in ARCHITECTURES.items()}))
+            return
+        table = Table("architecture", "family", title="supported model families")
+        for name, a in ARCHITECTURES.items():
+            table.add_row(name, a.description)
+        out.print(table)
+        return
 
     from localrun.gguf_file import open_gguf, type_name
     from localrun.models import resolve_model
@@ -219,7 +232,11 @@ def info(model: Optional[str] = ModelArg,
               "n_head": c.n_head, "n_head_kv": c.n_head_kv, "head_dim": c.head_dim, "n_ff": c.n_ff,
               "context_length": c.context_length, "n_vocab": c.n_vocab, "rope_base": c.rope_base,
               "rope_scaling": c.rope_scaling_type, "tied_output": c.tied_output,
-              "chat_template": (f"built-in ChatML ({c.chat_template_error})" if c.chat_template_error else "the file's")
+              "sliding_window": (f"{c.sliding_window} tokens in {c.num_local_layers} of {c.n_layers} layers"
+                                 if c.sliding_window else "none"),
+              "chat_template": (f"built-in ChatML ({c.chat_template_error})" if c.chat_template_error else
+                                f"{c.arch.chat_format} turn format (the file has none)"
+                                if c.chat_template_origin == "family" else "the file's")
               if c.chat_template else "built-in ChatML (the file has none)",
               "tensor_types": {k: {"tensors": n_tensors[k], "bytes": n_bytes[k]} for k in n_bytes}}
     if as_json:
