@@ -100,13 +100,14 @@ def call_grammar(tools: list[dict], family_name: str, parallel: bool) -> tuple[s
     (one, or one or more when parallel)."""
     schemas = [call_schema(t, family_name) for t in tools]
     one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    body = json.dumps(one)
+    compact = {"x-guidance": {"whitespace_flexible": False}}    # no runs of whitespace between tokens
+    body = json.dumps({**one, **compact})
     if family_name == "hermes":
         call = '"' + HERMES_OPEN + '\\n" %json ' + body + ' "\\n' + HERMES_CLOSE + '"'
         more = ' ("\\n" call)*' if parallel else ""
         rule = "start: call" + more + "\ncall: " + call + "\n"
     elif family_name == "mistral":
-        items = {"type": "array", "items": one, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        items = {"type": "array", "items": one, "minItems": 1, **({} if parallel else {"maxItems": 1}), **compact}
         rule = f'start: "{_lark_escape(MISTRAL_TAG)}" %json {json.dumps(items)}\n'
     else:                   # llama3: one JSON object (Llama 3.1 calls one function per turn)
         rule = f"start: %json {body}\n"

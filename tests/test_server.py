@@ -320,3 +320,61 @@ def test_speculative_requests_report_drafts_in_timings_and_metrics(tiny_gguf):
         assert 0 <= t["accepted_tokens"] <= t["draft_tokens"]
         assert metric(url, "localrun_engine_spec_draft_tokens") == t["draft_tokens"]
         assert metric(url, "localrun_engine_spec_accepted_tokens") == t["accepted_tokens"]
+
+
+# --- issue 19: n, logprobs, penalties over HTTP -----------------------------------------------------
+def test_n_choices_follow_the_library_by_seed_streamed_or_not(url, ref):
+    body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 5,
+            "n": 3, "ignore_eos": True}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    expected = [r.text for r in ref.generate("once upon a time", n=3, max_tokens=6, temperature=1.0, seed=5,
+                                             ignore_eos=True)]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in whole["choices"]] == expected
+    assert whole["usage"]["completion_tokens"] == 18
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+        chunks = sse_payloads(r.iter_lines())
+    texts = ["", "", ""]
+    finishes = {}
+    for c in chunks[:-1]:
+        for choice in c["choices"]:
+            texts[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == expected and finishes == {0: "length", 1: "length", 2: "length"}
+
+
+def test_logprobs_streamed_and_whole_agree_and_spell_the_text(url, ref):
+    body = chat_body(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
+    whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    text = b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", errors="replace")
+    assert len(content) == 6 and text == whole["message"]["content"]
+    for e in content:
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] == e["logprob"]   # greedy: the top
+        assert bytes(e["bytes"]).decode("utf-8", errors="replace") == e["token"]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body | {"stream": True}, timeout=60) as r:
+        chunks = sse_payloads(r.iter_lines())
+    streamed = [e for c in chunks[:-1] for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+    # the second request reuses the cached prompt: equal up to float32 rounding
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in streamed] == \
+        [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+    # completions' shape: tokens, token_logprobs, top_logprobs, text_offset
+    comp = httpx.post(f"{url}/v1/completions", json={"prompt": "once upon a time", "max_tokens": 4, "temperature": 0,
+                                                      "logprobs": 2, "ignore_eos": True}, timeout=60).json()
+    lp = comp["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["top_logprobs"]) == 4
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
+    expected = ref.generate("once upon a time", max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    assert lp["token_logprobs"] == pytest.approx([r.logprob for r in expected.logprobs], abs=1e-4)
+
+
+def test_penalties_over_http_match_the_library(url, ref):
+    body = {"prompt": "once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "presence_penalty": 1.5, "frequency_penalty": 0.5}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    expected = ref.generate("once upon a time", max_tokens=8, temperature=0, ignore_eos=True,
+                            presence_penalty=1.5, frequency_penalty=0.5)
+    assert r["choices"][0]["text"] == expected.text
+    assert expected.text != ref.generate("once upon a time", max_tokens=8, temperature=0, ignore_eos=True).text

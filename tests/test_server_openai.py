@@ -56,3 +56,28 @@ def test_sdk_sees_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10**6)
     assert "context" in str(e.value)
+
+
+def test_logprobs_through_the_sdk_against_llm_logits(client):
+    """The engine's logprobs (paged KV, quantized kernels) against the reference path's
+    LLM.logits: top-1 rank and values within what 8-bit decode activations move."""
+    import math
+
+    import torch
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=5)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    llm = LLM(resolve_model(None), n_ctx=1024, n_parallel=1)
+    ids = llm.chat_prompt_ids(MESSAGES)
+    for e in content:
+        reference = torch.log_softmax(llm.logits(ids)[-1].double(), -1)
+        token_id = llm.tokenize(e.token, add_special=False)
+        top = [t.logprob for t in e.top_logprobs]
+        assert top == sorted(top, reverse=True) and e.top_logprobs[0].logprob == e.logprob
+        assert sum(math.exp(v) for v in top) <= 1 + 1e-5
+        best = int(reference.argmax())
+        assert e.logprob == pytest.approx(float(reference[best]), abs=0.15)
+        assert sum(math.exp(v) for v in top) == pytest.approx(float(torch.topk(reference, 5).values.exp().sum()),
+                                                               abs=0.05)
+        ids.append(best if len(token_id) != 1 else token_id[0])
