@@ -183,7 +183,8 @@ class GrammarCompiler:
     def json_schema(self, schema, field: str = "json_schema") -> Constraint:
         """Output that is one JSON value matching `schema` (checked: fails closed)."""
         check_schema(schema, field)
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        # not sorted: properties come out in the order the schema gives them
+        key = json.dumps(schema, separators=(",", ":"))
         return self._compiled("json_schema", key, field,
                               lambda: self._ll.LLMatcher.grammar_from_json_schema(
                                   key, defaults={"whitespace_flexible": False}))

@@ -110,9 +110,18 @@ def test_compiled_grammars_are_cached_by_schema(tiny):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     first = compiler.json_schema(schema)
     count = compiler.num_compiled
-    same = compiler.json_schema(json.loads(json.dumps(schema, sort_keys=True)))   # key order differs
+    same = compiler.json_schema(json.loads(json.dumps(schema)))      # an equal schema, another object
     assert same is first and compiler.num_compiled == count
     assert compiler.json_schema({"type": "object"}) is not first
+
+
+def test_properties_come_out_in_the_schema_order(tiny):
+    """The output lists properties as the schema orders them (the cache key keeps that order)."""
+    for order in (["b", "a"], ["a", "b"]):
+        schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in order},
+                  "required": order, "additionalProperties": False}
+        text = tiny.generate("x", json_schema=schema, temperature=1.0, seed=1, max_tokens=40).text
+        assert list(json.loads(text)) == order
 
 
 UNSUPPORTED = [
