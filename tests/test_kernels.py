@@ -150,6 +150,16 @@ for qtype, (n, k) in [(t, s) for t in TYPES for s in shapes_for(t)]:
     for m in (0, 5, 16):
         one = kernels.qmatmul(torch.from_numpy(x[m:m + 1]), [torch.from_numpy(raw)], [int(qtype)])
         out["rows_identical"] &= bool(torch.equal(one[0], y[m]))
+from test_kernels import attention_reference, BLOCK
+rng = np.random.default_rng(0)
+kp = torch.from_numpy(rng.standard_normal((4 * BLOCK, 2, 64)).astype(np.float32))
+vp = torch.from_numpy(rng.standard_normal((4 * BLOCK, 2, 64)).astype(np.float32))
+q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+table = np.array([[2, 0, 3, 1]])
+got = torch.ops.localrun.paged_attention(torch.from_numpy(q), kp[:1].clone(), vp[:1].clone(), kp, vp, torch.tensor([0]),
+                                         torch.from_numpy(table), torch.tensor([0]), torch.tensor([50]), BLOCK, 0)
+exact = attention_reference(q[0], kp.numpy(), vp.numpy(), table[0], 50)
+out["errors"]["paged_attention"] = float(np.abs(got[0].numpy() - exact).max() / np.abs(exact).max())
 print(json.dumps(out))
 """
 
@@ -173,3 +183,78 @@ def test_unknown_isa_is_refused():
     out = subprocess.run([sys.executable, "-c", "from localrun import kernels; print(kernels.available())"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False" and "LOCALRUN_ISA must be" in out.stderr
+
+
+def attention_reference(q, k_pool, v_pool, table, n, window=0):
+    """float64 softmax(q k^T / sqrt(hd)) v of one row over positions max(0, n - window)..n-1
+    (all n if window is 0), read through the block table; grouped-query heads."""
+    bs = BLOCK
+    first = max(0, n - window) if window else 0
+    positions = np.arange(first, n)
+    slots = table[positions // bs] * bs + positions % bs
+    H, hd = q.shape
+    group = H // k_pool.shape[1]
+    out = np.empty((H, hd))
+    for h in range(H):
+        k = k_pool[slots, h // group].astype(np.float64)
+        v = v_pool[slots, h // group].astype(np.float64)
+        s = k @ q[h].astype(np.float64) / np.sqrt(hd)
+        e = np.exp(s - s.max())
+        out[h] = e @ v / e.sum()
+    return out
+
+
+BLOCK = 16
+
+
+@pytest.mark.parametrize("hd, n_kv, group", [(64, 3, 3), (128, 2, 4), (256, 1, 2), (40, 2, 2)])
+def test_paged_attention_equals_float64_reference(hd, n_kv, group):
+    """Decode rows of several sequences (lengths across block edges, shuffled block tables, with
+    and without a window) against float64 attention; each row the same bits alone as in the call;
+    the new K/V land in their slots."""
+    rng = np.random.default_rng(hd)
+    H, num_blocks, lengths = n_kv * group, 24, [1, 7, 16, 17, 40, 95]
+    tables = np.stack([rng.permutation(num_blocks)[:6] for _ in lengths])
+    k_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
+    v_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
+    q = rng.standard_normal((len(lengths), H, hd)).astype(np.float32) * 2
+    k = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
+    slots = np.array([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)])
+    for window in (0, 20):
+        kp, vp = torch.from_numpy(k_pool.copy()), torch.from_numpy(v_pool.copy())
+        args = lambda rows: (torch.from_numpy(q[rows]), torch.from_numpy(k[rows]), torch.from_numpy(v[rows]), kp, vp,
+                             torch.from_numpy(slots[rows]), torch.from_numpy(tables), torch.tensor(rows),
+                             torch.tensor([lengths[r] for r in rows]), BLOCK, window)
+        rows = list(range(len(lengths)))
+        out = torch.ops.localrun.paged_attention(*args(rows)).numpy()
+        assert np.array_equal(kp.numpy()[slots], k) and np.array_equal(vp.numpy()[slots], v)
+        for r, n in enumerate(lengths):
+            exact = attention_reference(q[r], kp.numpy(), vp.numpy(), tables[r], n, window)
+            np.testing.assert_allclose(out[r], exact, rtol=0, atol=2e-6 * max(1.0, np.abs(exact).max()),
+                                       err_msg=f"row {r} window {window}")
+        for r in (0, 3, 5):
+            assert np.array_equal(torch.ops.localrun.paged_attention(*args([r])).numpy()[0], out[r])
+
+
+def test_small_ops_equal_float64_reference():
+    """silu_mul (vector exp), rms_norm and add_rms_norm against float64, with a tail under 8
+    values and gate values far in both tails of the sigmoid."""
+    rng = np.random.default_rng(11)
+    for F_, D in ((1536, 576), (13, 21)):
+        gu = (rng.standard_normal((3, 2 * F_)) * 6).astype(np.float32)
+        gu[0, :4] = [-120.0, -90.0, 95.0, 0.0]
+        g, u = gu[:, :F_].astype(np.float64), gu[:, F_:].astype(np.float64)
+        exact = g / (1 + np.exp(-g)) * u
+        got = torch.ops.localrun.silu_mul(torch.from_numpy(gu)).numpy()
+        np.testing.assert_allclose(got, exact, rtol=2e-6, atol=1e-30)
+        x, r = rng.standard_normal((2, 3, D)).astype(np.float32)
+        w = rng.standard_normal(D).astype(np.float32)
+        def norm(h):
+            h = h.astype(np.float64)
+            return h / np.sqrt((h ** 2).mean(-1, keepdims=True) + 1e-5) * w
+        np.testing.assert_allclose(torch.ops.localrun.rms_norm(torch.from_numpy(x), torch.from_numpy(w), 1e-5).numpy(),
+                                   norm(x), rtol=2e-6, atol=1e-6)
+        h, n = torch.ops.localrun.add_rms_norm(torch.from_numpy(x), torch.from_numpy(r), torch.from_numpy(w), 1e-5)
+        assert np.array_equal(h.numpy(), x + r)
+        np.testing.assert_allclose(n.numpy(), norm(x + r), rtol=2e-6, atol=1e-6)

@@ -13,20 +13,134 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
+#include "vec8.h"
 
 namespace localrun {
 namespace {
 
-// sum of a[i] * b[i] in 8 fixed lanes (vectorizable without reordering), then a fixed tree
-inline float dot8(const float* a, const float* b, int64_t n) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    for (int j = 0; i < n; i++, j++) acc[j] += a[i] * b[i];
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+// The row kernel is written once with GCC vector types (csrc/vec8.h) and compiled three times:
+// for AVX-512 (more registers), AVX2 + FMA (target attributes) and the baseline (SSE2);
+// paged_attention picks one at run time (LOCALRUN_ISA=avx2|ref forces a narrower one). Every
+// row runs the same instructions in the same order whatever else is in the call.
+struct RowArgs {
+    const float* q;            // (hd,) this row's query head
+    const float *kp, *vp;      // pools
+    const int64_t* table;      // this sequence's block table
+    int64_t block_size, n_kv, g, hd, first, L;
+    float scale;
+    float* scores;             // scratch, L + 8 floats
+    float* out;                // (hd,)
+};
+
+// One query head of one row over positions first..L-1. HD: the head size at compile time
+// (a multiple of 8), 0 for any multiple of 8 at run time.
+template <int HD>
+ALWAYS_INLINE void attend_row(const RowArgs& a) {
+    const int64_t hd = HD ? HD : a.hd, nv = hd / 8;
+    constexpr int NV = HD ? HD / 8 : 32;                         // run-time head sizes: up to 256
+    v8 q[NV], acc[NV];
+    for (int64_t i = 0; i < nv; i++) q[i] = load8(a.q + 8 * i) * splat8(a.scale);
+    // scores[p - first] = q . k_p * scale, block by block through the table
+    float mx = -INFINITY;
+    for (int64_t p = a.first; p < a.L;) {
+        const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
+        const float* kb = a.kp + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
+        for (; p < end; p++, kb += a.n_kv * hd) {
+            v8 s0 = splat8(0.f), s1 = splat8(0.f);
+            int64_t i = 0;
+            for (; i + 2 <= nv; i += 2) { s0 += q[i] * load8(kb + 8 * i); s1 += q[i + 1] * load8(kb + 8 * i + 8); }
+            if (i < nv) s0 += q[i] * load8(kb + 8 * i);
+            const float sc = hsum8(s0 + s1);
+            a.scores[p - a.first] = sc;
+            mx = std::max(mx, sc);
+        }
+    }
+    // e^(s - max), summed in 8 lanes
+    const int64_t n = a.L - a.first;
+    v8 vsum = splat8(0.f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const v8 e = exp8(load8(a.scores + j) - splat8(mx));
+        store8(a.scores + j, e);
+        vsum += e;
+    }
+    if (j < n) {
+        float tail[8];
+        for (int k = 0; k < 8; k++) tail[k] = j + k < n ? a.scores[j + k] - mx : -INFINITY;
+        v8 e = exp8(load8(tail));
+        for (int k = 0; k < 8; k++) if (j + k >= n) e[k] = 0.f;
+        for (int k = 0; j + k < n; k++) a.scores[j + k] = e[k];
+        vsum += e;
+    }
+    const float inv = 1.0f / hsum8(vsum);
+    // out = sum_p e_p v_p / sum
+    for (int64_t i = 0; i < nv; i++) acc[i] = splat8(0.f);
+    for (int64_t p = a.first; p < a.L;) {
+        const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
+        const float* vb = a.vp + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
+        for (; p < end; p++, vb += a.n_kv * hd) {
+            const v8 w = splat8(a.scores[p - a.first]);
+            for (int64_t i = 0; i < nv; i++) acc[i] += w * load8(vb + 8 * i);
+        }
+    }
+    for (int64_t i = 0; i < nv; i++) store8(a.out + 8 * i, acc[i] * splat8(inv));
+}
+
+// Head sizes the vector kernel does not take (not a multiple of 8, or over 256): plain loops.
+inline void attend_scalar(const RowArgs& a) {
+    const int64_t n = a.L - a.first;
+    float mx = -INFINITY;
+    for (int64_t p = a.first; p < a.L; p++) {
+        const float* k = a.kp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
+        float s = 0.f;
+        for (int64_t d = 0; d < a.hd; d++) s += a.q[d] * a.scale * k[d];
+        a.scores[p - a.first] = s;
+        mx = std::max(mx, s);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; j++) { a.scores[j] = std::exp(a.scores[j] - mx); sum += a.scores[j]; }
+    for (int64_t d = 0; d < a.hd; d++) a.out[d] = 0.f;
+    for (int64_t p = a.first; p < a.L; p++) {
+        const float* v = a.vp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
+        for (int64_t d = 0; d < a.hd; d++) a.out[d] += a.scores[p - a.first] * v[d];
+    }
+    for (int64_t d = 0; d < a.hd; d++) a.out[d] /= sum;
+}
+
+ALWAYS_INLINE void attend_any(const RowArgs& a) {
+    if (a.hd % 8 || a.hd > 256) { attend_scalar(a); return; }
+    switch (a.hd) {
+        case 64: attend_row<64>(a); return;
+        case 128: attend_row<128>(a); return;
+        case 256: attend_row<256>(a); return;
+        default: attend_row<0>(a); return;
+    }
+}
+
+__attribute__((target("avx2,fma,avx512f,avx512vl"))) void attend_avx512(const RowArgs& a) { attend_any(a); }
+__attribute__((target("avx2,fma"))) void attend_avx2(const RowArgs& a) { attend_any(a); }
+void attend_base(const RowArgs& a) { attend_any(a); }
+
+using RowKernel = void (*)(const RowArgs&);
+
+// AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA forces a narrower kernel.
+RowKernel row_kernel() {
+    static const RowKernel chosen = [] {
+        const char* env = std::getenv("LOCALRUN_ISA");
+        const std::string forced = env ? env : "";
+        __builtin_cpu_init();
+        const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+        if (forced == "ref" || !avx2) return &attend_base;
+        return avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2;
+    }();
+    return chosen;
 }
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_pool,
@@ -64,32 +178,20 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     float* op = out.data_ptr<float>();
     const float scale = 1.0f / std::sqrt((float)hd);
     const int64_t group = H / n_kv;
+    const RowKernel attend = row_kernel();
     at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> scores;
         for (int64_t i = i0; i < i1; i++) {
-            const int64_t t = i / H, h = i % H, g = h / group, L = lenp[t];
+            const int64_t t = i / H, h = i % H, L = lenp[t];
             const int64_t first = window > 0 && L > window ? L - window : 0;   // first position attended
             const int64_t* table = tp + seqp[t] * max_blocks;
-            const float* qh = qp + (t * H + h) * hd;
-            scores.resize(L);
-            float mx = -INFINITY;
-            for (int64_t p = first; p < L; p++) {
-                const int64_t slot = table[p / block_size] * block_size + p % block_size;
-                TORCH_CHECK(slot >= 0 && slot < num_slots, "localrun::paged_attention: block table entry out of range");
-                const float* kh = kp + (slot * n_kv + g) * hd;
-                scores[p] = dot8(qh, kh, hd) * scale;
-                mx = std::max(mx, scores[p]);
-            }
-            float sum = 0.f;
-            for (int64_t p = first; p < L; p++) { scores[p] = std::exp(scores[p] - mx); sum += scores[p]; }
-            float* oh = op + (t * H + h) * hd;
-            for (int64_t d = 0; d < hd; d++) oh[d] = 0.f;
-            for (int64_t p = first; p < L; p++) {
-                const int64_t slot = table[p / block_size] * block_size + p % block_size;
-                const float* vh = vp + (slot * n_kv + g) * hd;
-                const float w = scores[p] / sum;
-                for (int64_t d = 0; d < hd; d++) oh[d] += w * vh[d];
-            }
+            for (int64_t b = first / block_size; b <= (L - 1) / block_size; b++)
+                TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
+                            "localrun::paged_attention: block table entry out of range");
+            scores.resize(L - first + 8);
+            const RowArgs args{qp + (t * H + h) * hd, kp, vp, table, block_size, n_kv, h / group, hd, first, L, scale,
+                               scores.data(), op + (t * H + h) * hd};
+            attend(args);
         }
     });
     return out;
