@@ -51,7 +51,17 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         const float* kb = a.kp + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
-        for (; p < end; p++, kb += a.n_kv * hd) {
+        const int64_t stride = a.n_kv * hd;
+        for (; p + 8 <= end; p += 8, kb += 8 * stride) {     // 8 keys at once: 8 independent sums
+            v8 s[8];
+            for (int j = 0; j < 8; j++) s[j] = q[0] * load8(kb + j * stride);
+            for (int64_t i = 1; i < nv; i++)
+                for (int j = 0; j < 8; j++) s[j] += q[i] * load8(kb + j * stride + 8 * i);
+            const v8 sc = transpose_sum8(s);
+            store8(a.scores + (p - a.first), sc);
+            mx = std::max(mx, max8(sc));
+        }
+        for (; p < end; p++, kb += stride) {
             v8 s0 = splat8(0.f), s1 = splat8(0.f);
             int64_t i = 0;
             for (; i + 2 <= nv; i += 2) { s0 += q[i] * load8(kb + 8 * i); s1 += q[i + 1] * load8(kb + 8 * i + 8); }

@@ -16,6 +16,26 @@ ALWAYS_INLINE void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 ALWAYS_INLINE v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
 ALWAYS_INLINE float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+// (sum of s[0], sum of s[1], ..., sum of s[7]) by a transposing tree (fixed order)
+ALWAYS_INLINE v8 transpose_sum8(const v8* s) {
+    v8 t[4], u[2];
+    for (int k = 0; k < 4; k++)
+        t[k] = __builtin_shufflevector(s[2 * k], s[2 * k + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(s[2 * k], s[2 * k + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int k = 0; k < 2; k++)
+        u[k] = __builtin_shufflevector(t[2 * k], t[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(t[2 * k], t[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    // u[0] = [s0 s1 s2 s3 (lanes 0-3) | s0 s1 s2 s3 (lanes 4-7)], u[1] the same for s4..s7
+    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+ALWAYS_INLINE float max8(v8 v) {
+    float m = v[0];
+    for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 // e^x: 2^n * p(r) with Cephes' expf polynomial (within 2 ulp of expf); x clamped to [-87, 88].
 ALWAYS_INLINE v8 exp8(v8 x) {
     x = x < splat8(-87.f) ? splat8(-87.f) : x;
