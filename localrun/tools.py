@@ -66,10 +66,8 @@ def new_call_id() -> str:
 
 
 def check_tools(tools: list[dict], tool_choice, template: str | None) -> str | None:
-    """The function name that tool_choice forces (or None), after the checks that give a 400."""
-    if not supports_tools(template):
-        raise ToolError("tools", "this model's chat template does not take tools, so the model would never "
-                                 "see them; send the request without tools")
+    """The function name that tool_choice forces (or None), after the checks that give a 400:
+    the request's own consistency first, then whether this model can take tools."""
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise ToolError("tools", "tool function names must be unique")
@@ -82,8 +80,10 @@ def check_tools(tools: list[dict], tool_choice, template: str | None) -> str | N
         if name not in names:
             raise ToolError("tool_choice", f"tool_choice names '{name}', which is not among the tools "
                                            f"({', '.join(names)})")
-        return name
-    return None
+    if not supports_tools(template):
+        raise ToolError("tools", "this model's chat template does not take tools, so the model would never "
+                                 "see them; send the request without tools")
+    return tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
 
 
 def call_schema(tool: dict, family_name: str) -> dict:

@@ -179,3 +179,15 @@ def test_tools_with_a_template_that_takes_none_is_refused(tiny_gguf):
     plain = LLM(tiny_gguf("F32", context_length=1024), dtype="float32", n_threads=1, n_parallel=1)
     with pytest.raises(UserError, match="does not take tools"):
         plain.chat(MESSAGES, tools=TOOLS)
+
+
+def test_auto_streams_the_same_content_as_whole(client):
+    """tool_choice auto on a model that answers in text: streamed content (through the hold-back
+    of possible call starts) equals the whole reply, and no call is invented."""
+    kwargs = dict(model="x", messages=MESSAGES, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=24)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.message.tool_calls is None and whole.finish_reason in ("stop", "length")
+    assert streamed == whole.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
