@@ -17,6 +17,11 @@ of its prefix that the pool lacks but a tier holds into fresh blocks, registered
 been computed here, so admission then finds them as ordinary cache hits. A host-RAM tier for
 blocks a GPU pool evicts would be one more tier in the list; on a CPU-only machine the pool
 already is host memory, so there is none.
+
+Sliding-window (local) layers, as Gemma 3's, keep their KV in a second pool with a table per
+sequence that drops the blocks out of the window (localrun/engine/window_blocks.py): every
+verb here acts on both pools, and a prefix hit counts only as far as the local pool still holds
+the window its next query reads.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from localrun.engine.sequence import Sequence
+from localrun.engine.window_blocks import WindowBlocks
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -100,7 +106,9 @@ class PrefixCacheStats:
 class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 hash_seed: bytes = b"", lower_tiers: list[KVTier] | None = None):
+                 hash_seed: bytes = b"", lower_tiers: list[KVTier] | None = None,
+                 num_local_blocks: int = 0, sliding_window: int | None = None):
+        """num_local_blocks, sliding_window: the local layers' pool (none when 0 / None)."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -112,6 +120,17 @@ class BlockManager:
         self.cached_block_ids: dict[bytes, int] = {}                      # hash -> registered block
         self.stats = PrefixCacheStats()
         self.lower_tiers: list[KVTier] = list(lower_tiers or [])   # checked in order
+        self.window: WindowBlocks | None = (WindowBlocks(num_local_blocks, block_size, sliding_window)
+                                            if num_local_blocks and sliding_window else None)
+
+    def local_block_table(self, seq: Sequence) -> list[int]:
+        """seq's block table in the local layers' pool (FREED where out of the window)."""
+        assert self.window is not None
+        return self.window.table(seq.request_id)
+
+    def _token_ids_of(self, seq: Sequence):
+        bs = self.block_size
+        return lambda i: tuple(seq.token_ids[i * bs:(i + 1) * bs])
 
     # --- counters -------------------------------------------------------------------
     @property
@@ -155,6 +174,8 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
             found.append(block_id)
+        if self.window is not None and found:     # usable as far as the local window is cached too
+            found = found[:self.window.usable_prefix(seq.block_hashes[:len(found)], self._token_ids_of(seq))]
         return found
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
@@ -199,6 +220,9 @@ class BlockManager:
         cached = self._find_cached_blocks(seq)
         num_needed = self.num_blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
         num_revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if self.window is not None and not self.window.can_allocate(seq.block_hashes, self._token_ids_of(seq),
+                                                                    len(cached), num_new_tokens):
+            return False
         return num_needed <= self.num_free_blocks - num_revived
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -214,6 +238,8 @@ class BlockManager:
                 block.tier = None
         seq.block_table = list(cached)
         seq.num_cached_tokens = seq.num_computed_tokens = len(cached) * self.block_size
+        if self.window is not None:
+            self.window.allocate(seq.request_id, seq.block_hashes, self._token_ids_of(seq), len(cached), 0)
         if seq.timeline.first_scheduled is None:    # the timeline reports the first admission
             seq.timeline.cached_tokens_by_tier = from_tier
         for name, num_tokens in from_tier.items():
@@ -229,6 +255,9 @@ class BlockManager:
     def can_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """Are there blocks for num_new_tokens tokens past seq's computed ones?"""
         num_needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if self.window is not None and not self.window.can_append_slots(seq.request_id, seq.num_computed_tokens,
+                                                                        num_new_tokens):
+            return False
         return num_needed <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
@@ -237,20 +266,32 @@ class BlockManager:
         assert num_needed <= self.num_free_blocks, "call can_append_slots first"
         for _ in range(num_needed):
             seq.block_table.append(self._allocate_block())
+        if self.window is not None:
+            self.window.append_slots(seq.request_id, seq.num_computed_tokens, num_new_tokens)
 
     def num_appendable_tokens(self, seq: Sequence) -> int:
         """The most tokens append_slots can take for seq now."""
-        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+        num = (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+        if self.window is not None:
+            num = min(num, self.window.num_appendable_tokens(seq.request_id, seq.num_computed_tokens))
+        return num
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop seq's blocks (its computed K/V). Registered blocks stay cached until evicted."""
         for block_id in reversed(seq.block_table):   # tail first: evicted before the shared head
             self._release_block(block_id)
+        if self.window is not None:
+            self.window.deallocate(seq.request_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's fully computed blocks in the prefix cache (prompt and generated)."""
+        """Register seq's fully computed blocks in the prefix cache (prompt and generated); in
+        the local pool, also give back the blocks out of seq's window."""
+        if self.window is not None:
+            hashes = (self._block_hashes(seq, seq.num_computed_tokens // self.block_size)
+                      if self.enable_prefix_caching else None)
+            self.window.cache_and_trim(seq.request_id, hashes, self._token_ids_of(seq), seq.num_computed_tokens)
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table
@@ -333,6 +374,8 @@ class BlockManager:
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_kept)
         seq.num_cached_tokens = min(seq.num_cached_tokens, num_kept)
         num_blocks_kept = self.num_blocks_needed(num_kept)
+        if self.window is not None:
+            self.window.rollback(seq.request_id, num_kept)
         for block_id in reversed(seq.block_table[num_blocks_kept:]):
             self._release_block(block_id)
         del seq.block_table[num_blocks_kept:]
@@ -356,3 +399,5 @@ class BlockManager:
             del self.cached_block_ids[block.block_hash]
             block.block_hash, block.token_ids, block.tier = None, (), None
             self.free_block_ids.append(block_id)
+        if self.window is not None:
+            self.window.reset_prefix_cache()

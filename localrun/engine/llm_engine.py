@@ -21,6 +21,7 @@ import torch
 from localrun.engine.block_manager import BlockManager, kv_bytes_per_token
 from localrun.engine.disk_cache import DiskCacheConfig, DiskKVCache, compute_signature, namespace
 from localrun.engine.model_runner import ModelRunner
+from localrun.engine.window_blocks import num_window_blocks
 from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_type, kv_bytes_per_element
 from localrun.engine.ram_cache import HostKVCache, default_ram_bytes
 from localrun.engine.scheduler import Scheduler, SchedulerConfig
@@ -82,17 +83,29 @@ class LLMEngine:
             raise UserError(f"block_size must be at least 1, got {block_size}.")
         devices = [layer.attention.wqkv.device for layer in model.layers]
         element_bytes = kv_bytes_per_element(kv_type, config.head_dim, block_size)
-        self.bytes_per_token = kv_bytes_per_token(config.n_layers, config.n_head_kv, config.head_dim,
-                                                  element_bytes)
+        # sliding-window layers keep their KV in a pool of their own, sized by the window
+        # (localrun/engine/window_blocks.py); the rest grows with the context
+        self.num_local_blocks = (num_window_blocks(config.sliding_window, block_size, max_num_seqs,
+                                                   max_num_batched_tokens) if config.local_layers else 0)
+        self.local_pool_bytes = self.num_local_blocks * block_size * kv_bytes_per_token(
+            config.num_local_layers, config.n_head_kv, config.head_dim, element_bytes)
+        if kv_budget_bytes is not None and self.local_pool_bytes:
+            kv_budget_bytes = max(0, kv_budget_bytes - self.local_pool_bytes)
+        self.bytes_per_token = kv_bytes_per_token(config.n_layers - config.num_local_layers, config.n_head_kv,
+                                                  config.head_dim, element_bytes)
         self.num_blocks = self._num_blocks(num_blocks, kv_budget_bytes, block_size, max_num_seqs, devices,
                                            kv_bytes_per_token(1, config.n_head_kv, config.head_dim,
                                                               element_bytes))
         self.kv_cache = PagedKVCache(num_blocks=self.num_blocks, block_size=block_size,
                                      n_layers=config.n_layers, n_head_kv=config.n_head_kv,
                                      head_dim=config.head_dim, kv_type=kv_type,
-                                     compute_dtype=model.dtype, devices=devices)
+                                     compute_dtype=model.dtype, devices=devices,
+                                     local_layers=config.local_layers, num_local_blocks=self.num_local_blocks,
+                                     sliding_window=config.sliding_window)
         self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching,
-                                          hash_seed=f"{config.name}|{kv_type}".encode())
+                                          hash_seed=f"{config.name}|{kv_type}".encode(),
+                                          num_local_blocks=self.num_local_blocks,
+                                          sliding_window=config.sliding_window)
         self.ram_cache: HostKVCache | None = None      # the prefix cache's host-RAM tier, if on
         ram_bytes = default_ram_bytes(devices) if ram_cache_bytes is None else ram_cache_bytes
         if ram_bytes > 0 and enable_prefix_caching:     # checked before the disk: faster to load
@@ -110,7 +123,9 @@ class LLMEngine:
                                            max_model_len=self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids),
                                    check_stop, clock)
-        self.runner = ModelRunner(model, self.kv_cache, batch_invariant_decode=speculative is not None)
+        self.runner = ModelRunner(model, self.kv_cache, batch_invariant_decode=speculative is not None,
+                                  local_block_tables=self.block_manager.local_block_table
+                                  if self.num_local_blocks else None)
         self.speculator = None if speculative is None else make_speculator(
             speculative, model, max_model_len=self.max_model_len, draft_model=draft_model)
         self.model = model

@@ -11,6 +11,8 @@ the same random numbers it would have drawn alone.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from localrun.engine.paged_kv import PagedKVCache
@@ -50,9 +52,13 @@ class ModelRunner:
     and a decode-only step of 40 rows 2.2x slower, on a 2-core AVX2 CPU."""
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache, verify_as_decodes: bool = True,
-                 batch_invariant_decode: bool = False):
+                 batch_invariant_decode: bool = False,
+                 local_block_tables: Callable[[Sequence], list[int]] | None = None):
+        """local_block_tables: a sequence's table in the local layers' pool, where the pool has
+        one (BlockManager.local_block_table)."""
         self.model = model
         self.kv_cache = kv_cache
+        self.local_block_tables = local_block_tables
         self.verify_as_decodes = verify_as_decodes
         self.batch_invariant_decode = batch_invariant_decode
         self.input_device = model.tok_embeddings.device
@@ -65,7 +71,8 @@ class ModelRunner:
         for i, e in enumerate(batch.entries):
             if starts[i] < first_row:
                 continue
-            view = self.kv_cache.sequence_view(e.seq.block_table)
+            local = self.local_block_tables(e.seq) if self.local_block_tables else None
+            view = self.kv_cache.sequence_view(e.seq.block_table, local)
             rowwise = bool(e.num_draft_tokens) and self.verify_as_decodes
             segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view, rowwise))
         return segments
@@ -100,8 +107,15 @@ class ModelRunner:
                 row_seq.append(i)
                 row_len.append(p + 1)
         assert len(slots) == num_rows
+        local_slots = local_tables = None
+        if self.local_block_tables is not None:     # the same rows' slots in the local layers' pool
+            local = [self.local_block_tables(e.seq) for e in entries]
+            local_width = max(len(t) for t in local)
+            local_tables = torch.tensor([t + [-1] * (local_width - len(t)) for t in local], dtype=torch.long)
+            local_slots = torch.tensor([local[i][p // bs] * bs + p % bs for i, e in enumerate(entries)
+                                        for p in range(e.start_position, e.start_position + e.num_new_tokens)])
         return PagedRows(num_rows, torch.tensor(slots), tables, torch.tensor(row_seq), torch.tensor(row_len), bs,
-                         self.kv_cache.float_pools)
+                         self.kv_cache.float_pools, local_slots, local_tables)
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int] | Exception]:
         """Per sampling entry, in entry order (what Scheduler.postprocess takes): one token id,

@@ -23,6 +23,12 @@ A write into a partly filled block requantizes the block's earlier tokens with t
 
 Whole blocks can be copied out (`copy_blocks`) and written back (`write_block`) exactly as
 stored, scales included: that is how the disk tier of the prefix cache saves and restores them.
+
+Sliding-window (local) layers (`local_layers`, `sliding_window`) keep their K/V in a pool of
+their own, `num_local_blocks` blocks, addressed through each sequence's local block table
+(localrun/engine/window_blocks.py), whose blocks before the window are given back: a local
+layer reads only positions from `start - sliding_window + 1` on. The prefix cache's lower tiers
+copy the global layers' blocks only.
 """
 from __future__ import annotations
 
@@ -208,7 +214,8 @@ class PagedKVCache:
 
     def __init__(self, *, num_blocks: int, block_size: int, n_layers: int, n_head_kv: int,
                  head_dim: int, kv_type: str, compute_dtype: torch.dtype,
-                 devices: list[torch.device] | None = None, slice_fast_path: bool = True):
+                 devices: list[torch.device] | None = None, slice_fast_path: bool = True,
+                 local_layers: tuple[bool, ...] = (), num_local_blocks: int = 0, sliding_window: int | None = None):
         self.kv_type = check_kv_type(kv_type)
         # a sequence whose blocks are consecutive reads its float K/V as a view (no gather)
         self.slice_fast_path = slice_fast_path and kv_type in FLOAT_KV_TYPES
@@ -225,8 +232,24 @@ class PagedKVCache:
                 return ChannelScaledStore(*shape, device)
             return TokenScaledStore(*shape, kv_type, device)
 
-        self.layers = [(store(True, device), store(False, device)) for device in self.devices]
+        self.local_layers = tuple(local_layers) if num_local_blocks and sliding_window else ()
+        self.num_local_blocks, self.sliding_window = num_local_blocks, sliding_window
+
+        def layer_stores(layer: int, device: torch.device):
+            if self.is_local(layer):
+                local = (num_local_blocks, block_size, n_head_kv, head_dim)
+                if kv_type in FLOAT_KV_TYPES:
+                    return PlainStore(*local, FLOAT_KV_TYPES[kv_type], device), PlainStore(*local, FLOAT_KV_TYPES[kv_type], device)
+                k = ChannelScaledStore(*local, device) if kv_type == "int8" else TokenScaledStore(*local, kv_type, device)
+                return k, TokenScaledStore(*local, kv_type, device)
+            return store(True, device), store(False, device)
+
+        self.layers = [layer_stores(i, device) for i, device in enumerate(self.devices)]
         self._named_block_tensors: dict[str, torch.Tensor] | None = None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether the layer's K/V live in the local (sliding-window) pool."""
+        return bool(self.local_layers) and self.local_layers[layer]
 
     @property
     def supports_paged_attention(self) -> bool:
@@ -250,6 +273,7 @@ class PagedKVCache:
         if self._named_block_tensors is None:
             self._named_block_tensors = {f"{layer}.{kind}.{i}": t
                                          for layer, (k_store, v_store) in enumerate(self.layers)
+                                         if not self.is_local(layer)     # the local pool has its own ids
                                          for kind, store in (("k", k_store), ("v", v_store))
                                          for i, t in enumerate(store.per_block())}
         return self._named_block_tensors
@@ -292,44 +316,62 @@ class PagedKVCache:
         v = v_store.read_slots(first_slot, num_tokens, self.compute_dtype)
         return k.transpose(0, 1), v.transpose(0, 1)                             # (n_kv, L, hd)
 
-    def sequence_view(self, block_table: list[int]) -> PagedSequenceView:
-        return PagedSequenceView(self, torch.tensor(block_table, dtype=torch.long))
+    def sequence_view(self, block_table: list[int], local_block_table: list[int] | None = None) -> PagedSequenceView:
+        local = torch.tensor(local_block_table, dtype=torch.long) if local_block_table is not None else None
+        assert local is not None or not self.local_layers, "a pool with local layers needs the local block table"
+        return PagedSequenceView(self, torch.tensor(block_table, dtype=torch.long), local)
 
 
 class PagedSequenceView:
     """One sequence's window on the pool, with ContiguousKVCache's `update` contract."""
 
-    def __init__(self, cache: PagedKVCache, block_table: torch.Tensor):
+    def __init__(self, cache: PagedKVCache, block_table: torch.Tensor, local_block_table: torch.Tensor | None = None):
         self.cache = cache
         self.block_table = block_table          # (num_blocks,) on the CPU
+        self.local_block_table = local_block_table   # (num_blocks,) in the local pool, -1 out of the window
         self._plans: dict[tuple, AccessPlan] = {}
 
+    def first_position(self, layer: int, start: int) -> int:
+        """The first position `update` returns for new tokens from `start` on: 0, or in a local
+        layer the start of the first block that a query at `start` reaches."""
+        if not self.cache.is_local(layer):
+            return 0
+        bs = self.cache.block_size
+        return max(0, start - self.cache.sliding_window + 1) // bs * bs
+
     def plan(self, layer: int, start: int, end: int) -> AccessPlan:
-        """How positions start..end-1 are written and 0..end-1 read on the layer's device.
-        Computed by the first layer of a forward, reused by the others."""
+        """How positions start..end-1 are written and 0..end-1 read on the layer's device (in a
+        local layer, from the first block the window reaches). Computed by the first layer of a
+        forward, reused by the others."""
         device = self.cache.devices[layer]
-        key = (device, start, end)
+        local = self.cache.is_local(layer)
+        key = (device, start, end, local)
         if key not in self._plans:
             bs = self.cache.block_size
-            assert end <= len(self.block_table) * bs, "positions past the allocated blocks"
+            table = self.local_block_table if local else self.block_table
+            assert end <= len(table) * bs, "positions past the allocated blocks"
             positions = torch.arange(start, end)
-            slots = self.block_table[positions // bs] * bs + positions % bs       # (t,)
-            blocks = self.block_table[:-(-end // bs)]                               # (nb,)
+            slots = table[positions // bs] * bs + positions % bs                    # (t,)
+            first = self.first_position(layer, start) // bs
+            blocks = table[first:-(-end // bs)]                                     # (nb,)
+            assert bool((blocks >= 0).all()), "a block the window reaches was freed"
             first_block, first_slot = int(blocks[0]), None
             consecutive = torch.equal(blocks, torch.arange(first_block, first_block + len(blocks)))
             if self.cache.slice_fast_path and consecutive:
                 first_slot = first_block * bs
             blocks = blocks.to(device)
-            target = WriteTarget(slots.to(device), blocks[start // bs:], start % bs)
+            target = WriteTarget(slots.to(device), blocks[start // bs - first:], start % bs)
             self._plans[key] = AccessPlan(target, blocks, first_slot)
         return self._plans[key]
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (t, n_kv, hd) at positions start..start+t-1 and return this layer's keys
-        and values for positions 0..start+t-1 as (n_kv, start+t, hd)."""
+        and values for positions first_position(layer, start)..start+t-1 (0.. but in a local
+        layer) as (n_kv, L, hd)."""
         end = start + k.shape[0]
         target, blocks, first_slot = self.plan(layer, start, end)
         self.cache.write(layer, target, k, v)
+        num_tokens = end - self.first_position(layer, start)     # a local layer reads its window only
         if first_slot is not None:
-            return self.cache.read_slots(layer, first_slot, end)
-        return self.cache.gather(layer, blocks, end)
+            return self.cache.read_slots(layer, first_slot, num_tokens)
+        return self.cache.gather(layer, blocks, num_tokens)

@@ -55,6 +55,8 @@ class PagedRows:
     row_len: torch.Tensor         # (T,) keys the row sees: its position + 1
     block_size: int
     pools: object                 # layer -> (k_pool, v_pool), each (num_blocks * block_size, n_kv, hd)
+    local_slots: torch.Tensor | None = None         # (T,) the same in the local layers' pool, if it has one
+    local_block_tables: torch.Tensor | None = None  # (S, max_blocks) local tables, padded (-1: freed)
 
 
 def rope_table(config: ModelConfig, max_positions: int, rope_freqs: torch.Tensor | None,
@@ -130,9 +132,12 @@ class Attention(nn.Module):
         if paged is not None:
             n = paged.num_rows
             k_pool, v_pool = paged.pools(self.layer)
-            out = torch.ops.localrun.paged_attention(q[:n], k[:n], v[:n], k_pool, v_pool, paged.slots,
-                                                      paged.block_tables, paged.row_seq, paged.row_len,
-                                                      paged.block_size, self.window or 0)   # (n, H, hd)
+            slots, tables = paged.slots, paged.block_tables
+            if self.window is not None and paged.local_slots is not None:     # the local layers' pool
+                slots, tables = paged.local_slots, paged.local_block_tables
+            out = torch.ops.localrun.paged_attention(q[:n], k[:n], v[:n], k_pool, v_pool, slots, tables,
+                                                      paged.row_seq, paged.row_len, paged.block_size,
+                                                      self.window or 0)          # (n, H, hd)
             if segments:            # the prompt chunks after those rows
                 out = torch.cat([out] + [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
                                                       v[s.start:s.start + s.length], s) for s in segments])
@@ -148,8 +153,8 @@ class Attention(nn.Module):
         the last `window` positions only, itself included, in a local layer)."""
         k_all, v_all = seg.cache.update(self.layer, seg.cache_start, k, v)   # (n_kv, L, hd)
         t, L = q.shape[0], k_all.shape[1]
-        if self.window is not None:
-            return self._attend_window(q, k_all, v_all, seg.rowwise)
+        if self.window is not None:   # a paged local layer returns the keys from its window's first block on
+            return self._attend_window(q, k_all, v_all, seg.rowwise, seg.cache_start + t - L)
         if seg.rowwise and t > 1:     # row i: one query over keys 0..L-t+i, as a decode step
             return torch.cat([sdpa(q[i:i + 1], k_all[:, :L - t + i + 1], v_all[:, :L - t + i + 1])
                               for i in range(t)])
@@ -160,19 +165,23 @@ class Attention(nn.Module):
             mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)
         return sdpa(q, k_all, v_all, mask, causal)
 
-    def _attend_window(self, q, k_all, v_all, rowwise: bool) -> torch.Tensor:
-        """Query i (position L-t+i) over keys p with L-t+i - window < p <= L-t+i (llama.cpp's
-        LLAMA_SWA_TYPE_STANDARD mask): only keys from L-t-window+1 on can matter."""
-        t, L, w = q.shape[0], k_all.shape[1], self.window
-        first = max(0, L - t - w + 1)
-        k_all, v_all = k_all[:, first:], v_all[:, first:]                   # (n_kv, L - first, hd)
+    def _attend_window(self, q, k_all, v_all, rowwise: bool, offset: int = 0) -> torch.Tensor:
+        """Query i (position P-t+i, P = offset + L) over keys p with P-t+i - window < p <= P-t+i
+        (llama.cpp's LLAMA_SWA_TYPE_STANDARD mask); k_all holds positions offset..P-1."""
+        t, w = q.shape[0], self.window
+        end = offset + k_all.shape[1]                                        # P
+        first = max(offset, end - t - w + 1)                                 # no query reads before it
+        k_all, v_all = k_all[:, first - offset:], v_all[:, first - offset:]  # (n_kv, P - first, hd)
         if rowwise or t == 1:     # row i: one query over its own window, as a decode step
-            return torch.cat([sdpa(q[i:i + 1], k_all[:, max(0, L - t + i + 1 - w - first):L - t + i + 1 - first],
-                                   v_all[:, max(0, L - t + i + 1 - w - first):L - t + i + 1 - first])
-                              for i in range(t)])
-        q_pos = torch.arange(L - t, L, device=q.device)[:, None]
-        k_pos = torch.arange(first, L, device=q.device)[None, :]
-        mask = (k_pos <= q_pos) & (q_pos - k_pos < w)                       # (t, L - first)
+            rows = []
+            for i in range(t):
+                p = end - t + i
+                lo, hi = max(first, p - w + 1) - first, p + 1 - first
+                rows.append(sdpa(q[i:i + 1], k_all[:, lo:hi], v_all[:, lo:hi]))
+            return torch.cat(rows)
+        q_pos = torch.arange(end - t, end, device=q.device)[:, None]
+        k_pos = torch.arange(first, end, device=q.device)[None, :]
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < w)                       # (t, P - first)
         return sdpa(q, k_all, v_all, mask)
 
 
