@@ -191,3 +191,23 @@ def test_auto_streams_the_same_content_as_whole(client):
     assert whole.message.tool_calls is None and whole.finish_reason in ("stop", "length")
     assert streamed == whole.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
+
+
+def test_streamed_calls_go_out_as_each_closes():
+    """hermes: a call is sent as soon as its </tool_call> arrives, not at the end of the reply."""
+    from localrun.server.engine_loop import Event
+    from localrun.server.responses import Choice
+    from localrun.tools import ToolPlan
+    plan = ToolPlan(TOOLS, "hermes", set(SCHEMAS))
+    choice = Choice(0, plan)
+    pieces = ["Checking. <tool_", "call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": 1}}\n</tool",
+              "_call>\n<tool_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}",
+              "\n</tool_call>"]
+    sent = []
+    for piece in pieces:
+        choice.feed(Event("text", text=piece))
+        sent.append([c.name for c in choice.new_calls(final=False)])
+    assert sent == [[], [], ["get_time"], [], ["get_weather"]]
+    assert choice.new_calls(final=True) == []
+    content, calls = choice.finish()
+    assert content == "Checking." and [c.name for c in calls] == ["get_time", "get_weather"]

@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from localrun.server.engine_loop import Event, ServerRequest
 from localrun.server.json_body import ClientGone
 from localrun.server.protocol import APIError
+from localrun.tools import HERMES_CLOSE
 
 if TYPE_CHECKING:
     from localrun.server.app import Server
@@ -106,6 +107,24 @@ class Choice:
         self.tool_plan = tool_plan
         self.tools = tool_plan.stream() if tool_plan is not None and tool_plan.tools else None
         self.done: Event | None = None
+        self.num_calls_sent = 0        # streamed: calls already sent as deltas
+
+    def new_calls(self, final: bool) -> list:
+        """Streamed: the calls complete so far (hermes closes each with </tool_call>; other
+        formats are judged at the end) that were not sent yet."""
+        if self.tools is None or not self.tools.capturing:
+            return [] if not final else self._unsent(self.finish()[1])
+        text = self.text
+        if not final:
+            if self.tool_plan.family != "hermes" or HERMES_CLOSE not in text:
+                return []
+            text = text[:text.rindex(HERMES_CLOSE) + len(HERMES_CLOSE)]
+        return self._unsent(self.tool_plan.parse(text)[1])
+
+    def _unsent(self, calls: list) -> list:
+        new = calls[self.num_calls_sent:]
+        self.num_calls_sent = max(self.num_calls_sent, len(calls))
+        return new
 
     @property
     def text(self) -> str:
@@ -219,10 +238,11 @@ async def stream_events(server: Server, sreqs: list[ServerRequest], body, chat: 
             offsets[index] += len(text or "")
         return chunk({**one, "finish_reason": finish}, **extra)
 
-    def tool_call_chunks(index: int, calls: list) -> list[dict]:
-        """Each call as the SDK accumulates it: id, type and name first, then the arguments."""
+    def tool_call_chunks(index: int, calls: list, first: int) -> list[dict]:
+        """Each call as the SDK accumulates it: id, type and name first, then the arguments;
+        `first`: the index of the first of these calls in the reply."""
         out = []
-        for k, call in enumerate(calls):
+        for k, call in enumerate(calls, start=first):
             out.append(chunk({"index": index, "delta": {"tool_calls": [
                 {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
                 "logprobs": None, "finish_reason": None}))
@@ -249,6 +269,9 @@ async def stream_events(server: Server, sreqs: list[ServerRequest], body, chat: 
                 shown = choice.feed(event)
                 if shown or (event.logprobs and choice.tools is None):
                     yield text_chunk(choice.index, shown, event.logprobs)
+                sent = choice.num_calls_sent
+                for c in tool_call_chunks(choice.index, choice.new_calls(final=False), sent):
+                    yield c
             elif event.kind == "error":
                 done = True
                 yield {"data": json.dumps(APIError(503, event.message, type="server_error",
@@ -260,10 +283,10 @@ async def stream_events(server: Server, sreqs: list[ServerRequest], body, chat: 
                 calls = []
                 if choice.tools is not None:
                     content, calls = choice.finish()
-                    if calls:
-                        for c in tool_call_chunks(choice.index, calls):
-                            yield c
-                    elif choice.text[choice.tools.shown:]:      # held back, and not a call after all
+                    sent = choice.num_calls_sent
+                    for c in tool_call_chunks(choice.index, choice.new_calls(final=True), sent):
+                        yield c
+                    if not calls and choice.text[choice.tools.shown:]:    # held back, and not a call after all
                         yield text_chunk(choice.index, choice.text[choice.tools.shown:], [])
                 yield text_chunk(choice.index, None, [], finish_reason(choice, calls),
                                  timings={**timings_ms(event.timings), **extra_timings})
