@@ -194,6 +194,8 @@ HOSTILE = [
     ("response_format json", chat(response_format={"type": "json_object"}), 200, None),
     ("response_format text", chat(response_format={"type": "text"}), 200, None),
     ("response_format unknown type", chat(response_format={"type": "yaml"}), 400, "response_format"),
+    ("llama.cpp json_object with an unsupported schema", chat(response_format={
+        "type": "json_object", "schema": {"type": "object", "minProperties": 2}}), 400, "response_format"),
     ("json_schema unsupported keyword", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "patternProperties": {"^a": {}}}}}), 400, "response_format"),
     ("json_schema without schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),

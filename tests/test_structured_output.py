@@ -181,3 +181,8 @@ def test_real_model_json_schema_outputs_validate_through_the_sdk():
             messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}])
         assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
+        # llama.cpp's form: json_object carrying a schema, which is enforced, not ignored
+        schema = SCHEMAS[2]
+        r = client.chat.completions.create(model="x", max_tokens=50, temperature=0, messages=[
+            {"role": "user", "content": "Pick a color."}], response_format={"type": "json_object", "schema": schema})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)

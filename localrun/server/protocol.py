@@ -166,6 +166,7 @@ class JSONSchemaFormat(_Body):
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")   # llama.cpp's json_object with a schema
 
 
 class ChatCompletionRequest(_Sampling):
@@ -186,8 +187,9 @@ class ChatCompletionRequest(_Sampling):
     def constraint_fields(self) -> list[tuple[str, str, Any]]:
         out = super().constraint_fields()
         fmt = self.response_format
-        if fmt is not None and fmt.type == "json_object":
-            out.append(("response_format", "json_object", None))
+        if fmt is not None and fmt.type == "json_object":     # llama.cpp's form may carry a schema: enforced
+            out.append(("response_format", "json_schema", fmt.schema_) if fmt.schema_ is not None
+                       else ("response_format", "json_object", None))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
