@@ -22,6 +22,7 @@ from torch import nn
 
 from localrun import kernels
 from localrun.config import ModelConfig
+from localrun.model.fused_block import FusedDecode
 from localrun.model.quant import FileTensor, Int8Weight, PlainWeight, int8_backend, make_embedding, make_weight
 from localrun.placement import DeviceMap, all_on
 
@@ -97,6 +98,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dtype == torch.float32 and x.dim() == 2:
             return torch.ops.localrun.rms_norm(x, self.weight, self.eps)
+        if self.fused and x.dtype == torch.float32 and x.dim() == 3:     # per-head Q/K norms: (T, H, hd)
+            return torch.ops.localrun.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if x.dtype != torch.float32:                                     # normalize in float32
             return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -269,9 +272,12 @@ class Block(nn.Module):
         # gemma: RMSNorm of the attention and FFN outputs before each residual add
         self.post_attention_norm = norm("post_attention_norm") if arch.post_norms else None
         self.post_ffw_norm = norm("post_ffw_norm") if arch.post_norms else None
+        self.fused_decode = FusedDecode.build(self)          # the decode step in one compiled call
 
     def forward(self, x, freqs, segments, decode_rows: int = 0, paged: PagedRows | None = None):
         freqs = freqs[1 if self.is_local else 0]                             # (T, hd/2)
+        if self.fused_decode is not None and self.fused_decode.applies(x, segments, decode_rows, paged):
+            return self.fused_decode(x, freqs, paged)                        # same ops as below, in C++
         attn = self.attention(self.attention_norm(x), freqs, segments, decode_rows, paged)
         if self.post_attention_norm is not None:
             attn = self.post_attention_norm(attn)
