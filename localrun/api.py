@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -274,19 +273,7 @@ class LLM:
 
     def constraint(self, json_schema=None, grammar: str | None = None):
         """The compiled constraint for generate's json_schema= (dict or JSON text) or grammar=."""
-        from localrun.grammar import GrammarError
-        if json_schema is not None and grammar is not None:
-            raise GrammarError("grammar", "give json_schema or grammar, not both")
-        if json_schema is not None:
-            if isinstance(json_schema, str):
-                try:
-                    json_schema = json.loads(json_schema)
-                except ValueError as e:
-                    raise GrammarError("json_schema", f"json_schema is not valid JSON ({e})") from None
-            return self.grammar_compiler.json_schema(json_schema, "json_schema")
-        if grammar is not None:
-            return self.grammar_compiler.grammar(grammar, "grammar")
-        return None
+        return self.grammar_compiler.from_options(json_schema, grammar)
 
     def fit_chat(self, messages: list[dict], max_tokens: int | None = None, *,
                  target: int | None = None, tools: list[dict] | None = None) -> tuple[list[dict], int]:

@@ -180,6 +180,19 @@ class GrammarCompiler:
         self.num_compiled = 0
 
     # --- the kinds of constraint ---------------------------------------------------------
+    def from_options(self, json_schema=None, grammar: str | None = None) -> Constraint | None:
+        """The Python API's options: json_schema (a dict or JSON text) or grammar (GBNF, Lark)."""
+        if json_schema is not None and grammar is not None:
+            raise GrammarError("grammar", "give json_schema or grammar, not both")
+        if isinstance(json_schema, str):
+            try:
+                json_schema = json.loads(json_schema)
+            except ValueError as e:
+                raise GrammarError("json_schema", f"json_schema is not valid JSON ({e})") from None
+        if json_schema is not None:
+            return self.json_schema(json_schema, "json_schema")
+        return None if grammar is None else self.grammar(grammar, "grammar")
+
     def json_schema(self, schema, field: str = "json_schema") -> Constraint:
         """Output that is one JSON value matching `schema` (checked: fails closed)."""
         check_schema(schema, field)

@@ -186,3 +186,13 @@ def test_real_model_json_schema_outputs_validate_through_the_sdk():
         r = client.chat.completions.create(model="x", max_tokens=50, temperature=0, messages=[
             {"role": "user", "content": "Pick a color."}], response_format={"type": "json_object", "schema": schema})
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_python_api_options(tiny):
+    schema = SCHEMAS[2]
+    text = tiny.generate("x", json_schema=json.dumps(schema), temperature=1.0, seed=2, max_tokens=40).text
+    jsonschema.validate(json.loads(text), schema)                 # JSON text works as a dict does
+    with pytest.raises(GrammarError, match="not both"):
+        tiny.generate("x", json_schema=schema, grammar='root ::= "a"')
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        tiny.generate("x", json_schema="{oops")
