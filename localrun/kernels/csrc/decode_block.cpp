@@ -1,0 +1,93 @@
+// One transformer block for decode and verify rows, in one call (no Python between its ops):
+//   decode_block(x, attn_norm, ffn_norm, eps, wqkv, qkv_types, wo, wo_types, w13, w13_types,
+//                w2, w2_types, freqs, k_pool, v_pool, slots, block_tables, row_seq, row_len,
+//                block_size, window, n_head, n_kv, neox) -> x + attention + feed-forward
+// for a llama-shaped block (no biases, no head norms, no post-norms, SwiGLU). It calls the same
+// ops, in the same order, as the Python path of localrun/model/llama.py (Block.forward with
+// the fused kernels and paged rows), RoPE included (the same aten complex product), so a
+// row's result is the same bits through either path: a decode row does not change with
+// whether its step also carries prompt rows (which take the Python path).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <tuple>
+
+namespace localrun {
+namespace {
+
+at::Tensor qmatmul(const at::Tensor& x, at::TensorList w, at::IntArrayRef types) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::qmatmul", "")
+        .typed<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef)>();
+    return op.call(x, w, types);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::rms_norm", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(x, w, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::add_rms_norm", "")
+        .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(x, r, w, eps);
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::silu_mul", "")
+        .typed<at::Tensor(const at::Tensor&)>();
+    return op.call(gu);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
+                           at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& tables,
+                           const at::Tensor& row_seq, const at::Tensor& row_len, int64_t block_size, int64_t window) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::paged_attention", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+    return op.call(q, k, v, k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window);
+}
+
+// llama.py's apply_rope: x (T, heads, hd) float32, freqs (T, hd/2) complex64
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& freqs, bool neox) {
+    const at::Tensor f = freqs.unsqueeze(1);
+    if (neox) {
+        const at::Tensor halves = x.unflatten(-1, {2, -1}).transpose(-1, -2).contiguous();
+        return at::view_as_real(at::view_as_complex(halves) * f).transpose(-1, -2).flatten(-2);
+    }
+    return at::view_as_real(at::view_as_complex(x.unflatten(-1, {-1, 2})) * f).flatten(-2);
+}
+
+at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, double eps,
+                        at::TensorList wqkv, at::IntArrayRef qkv_types, at::TensorList wo, at::IntArrayRef wo_types,
+                        at::TensorList w13, at::IntArrayRef w13_types, at::TensorList w2, at::IntArrayRef w2_types,
+                        const at::Tensor& freqs, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
+                        const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& row_len,
+                        int64_t block_size, int64_t window, int64_t n_head, int64_t n_kv, bool neox) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "localrun::decode_block: x must be (T, D) float32");
+    TORCH_CHECK(freqs.is_complex() && freqs.dim() == 2 && freqs.size(0) == x.size(0),
+                "localrun::decode_block: freqs must be (T, hd/2) complex");
+    const int64_t T = x.size(0), hd = 2 * freqs.size(1);
+    const at::Tensor qkv = qmatmul(rms_norm(x, attn_norm, eps), wqkv, qkv_types);
+    TORCH_CHECK(qkv.size(1) == (n_head + 2 * n_kv) * hd, "localrun::decode_block: q/k/v widths disagree with the heads");
+    const at::Tensor heads = qkv.view({T, n_head + 2 * n_kv, hd});
+    const at::Tensor qk = apply_rope(heads.narrow(1, 0, n_head + n_kv), freqs, neox);
+    const at::Tensor attn = paged_attention(qk.narrow(1, 0, n_head), qk.narrow(1, n_head, n_kv), heads.narrow(1, n_head + n_kv, n_kv),
+                                            k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window);
+    auto [h, normed] = add_rms_norm(x, qmatmul(attn.reshape({T, n_head * hd}), wo, wo_types), ffn_norm, eps);
+    return h + qmatmul(silu_mul(qmatmul(normed, w13, w13_types)), w2, w2_types);
+}
+
+}  // namespace
+}  // namespace localrun
+
+TORCH_LIBRARY_FRAGMENT(localrun, m) {
+    m.def("decode_block(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, Tensor[] wqkv, int[] qkv_types, "
+          "Tensor[] wo, int[] wo_types, Tensor[] w13, int[] w13_types, Tensor[] w2, int[] w2_types, Tensor freqs, "
+          "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor block_tables, Tensor row_seq, Tensor row_len, "
+          "int block_size, int window, int n_head, int n_kv, bool neox) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(localrun, CPU, m) {
+    m.impl("decode_block", &localrun::decode_block);
+}
