@@ -278,3 +278,20 @@ def test_llama_without_template_keeps_chatml(tiny):
     c = open_gguf(path).config
     assert c.chat_template is None and c.chat_template_origin == "none" and c.chat_template_notice is None
     assert CHATML_TEMPLATE  # the synthetic files' template is ChatML too
+
+
+def test_server_answers_a_bad_gemma_role_order_with_400_and_stays_healthy(tiny):
+    """Gemma's own template raises on two user turns in a row: the server says so in a 400 (not
+    a 500) and then serves the next, well-formed request."""
+    import httpx
+    from localrun.server.app import ServerConfig, create_app
+    from server_harness import running
+    llm = LLM(tiny("gemma3", chat_template=GEMMA), n_ctx=128)
+    with running(create_app(llm, ServerConfig("tiny-gemma"))) as url:
+        bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny-gemma", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+        assert bad.status_code == 400 and "alternate" in bad.json()["error"]["message"], bad.text
+        good = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny-gemma", "max_tokens": 2, "messages": [{"role": "user", "content": "a"}]})
+        assert good.status_code == 200, good.text
