@@ -221,6 +221,10 @@ class GrammarCompiler:
         return self._compiled(kind, lark, field, lambda: self._ll.LLMatcher.grammar_from_lark(lark))
 
     # --- compiling, cached -----------------------------------------------------------------
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
     def _compiled(self, kind: str, key: str, field: str, build) -> Constraint:
         with self._lock:
             hit = self._cache.get((kind, key))

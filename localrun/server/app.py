@@ -7,6 +7,11 @@ heavier (JSON decoding, validation, chat template, tokenization) runs in one wor
 its events (responses): as SSE chunks (sse-starlette) for streams, as one JSON body otherwise. Every response carries the request's `timings` (queue, prefill, TTFT,
 decode speed, cached prompt tokens); streams carry them in the chunk with the finish reason.
 A client that goes away aborts its request, which frees its KV blocks at the next step.
+
+OpenAI's fields beyond plain sampling (issue 19): `n` choices become n engine sequences
+(`submit`), `response_format`/`grammar`/`json_schema` a token mask (localrun.grammar), `tools`
+a template render plus a parse of the reply (localrun.tools), logprobs ride on the engine's
+outputs. Any model name is served by the one model unless `strict_model_name`.
 """
 from __future__ import annotations
 
