@@ -254,8 +254,9 @@ class LLM:
         if plan is not None and plan.tools:
             content, calls = plan.parse(result.text)
             if calls:
-                result.text, result.tool_calls, result.finish_reason = content or "", [c.to_openai() for c in calls], \
-                    "tool_calls"
+                result.text, result.tool_calls = content or "", [c.to_openai() for c in calls]
+                if result.finish_reason == "stop":
+                    result.finish_reason = "tool_calls"
         return result
 
     def tool_plan(self, tools: list[dict], tool_choice="auto", parallel_tool_calls: bool = True):

@@ -105,7 +105,7 @@ def test_tool_stream_holds_back_a_call_and_nothing_else():
 def test_required_yields_a_valid_call_whole(client):
     for seed in range(3):
         r = client.chat.completions.create(model="gpt-4o", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                           temperature=1.0, seed=seed, max_tokens=200)
+                                           temperature=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False)
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls"
         check_calls(choice.message.tool_calls)
@@ -113,7 +113,7 @@ def test_required_yields_a_valid_call_whole(client):
 
 def test_required_yields_a_valid_call_streamed_through_the_sdk_accumulator(client):
     with client.chat.completions.stream(model="gpt-4o", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                        temperature=1.0, seed=4, max_tokens=200) as stream:
+                                        temperature=1.0, seed=4, max_tokens=200, parallel_tool_calls=False) as stream:
         deltas = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
         final = stream.get_final_completion()
     choice = final.choices[0]
@@ -122,7 +122,7 @@ def test_required_yields_a_valid_call_streamed_through_the_sdk_accumulator(clien
     assert [d.name for d in deltas] == [c.function.name for c in choice.message.tool_calls]
     # the same request whole gives the same call (same seed): streaming changes nothing
     whole = client.chat.completions.create(model="gpt-4o", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                           temperature=1.0, seed=4, max_tokens=200)
+                                           temperature=1.0, seed=4, max_tokens=200, parallel_tool_calls=False)
     assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
@@ -167,7 +167,8 @@ def test_tool_messages_flow_back_into_the_template(client, llm):
 def test_python_api_chat_with_tools(tiny_gguf):
     llm = LLM(tiny_gguf("F32", context_length=1024, chat_template=HERMES_TEMPLATE), dtype="float32",
               n_threads=1, n_parallel=1)      # its own engine: the server's runs in its own thread
-    result = llm.chat(MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0, seed=2, max_tokens=200)
+    result = llm.chat(MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0, seed=2, max_tokens=200,
+                      parallel_tool_calls=False)
     assert result.finish_reason == "tool_calls" and result.tool_calls
     for call in result.tool_calls:
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
@@ -211,3 +212,19 @@ def test_streamed_calls_go_out_as_each_closes():
     assert choice.new_calls(final=True) == []
     content, calls = choice.finish()
     assert content == "Checking." and [c.name for c in calls] == ["get_time", "get_weather"]
+
+
+@pytest.mark.parametrize("fam", ["hermes", "llama3", "mistral"])
+def test_each_family_forced_call_parses_back_to_valid_calls(tiny_gguf, fam):
+    """The grammar a forced call uses, per family, produces text that family's parser reads back
+    as calls whose arguments follow the schema (random weights, temperature 1: the mask does it)."""
+    from localrun.tools import call_grammar
+    llm = LLM(tiny_gguf("F32", context_length=1024, chat_template=HERMES_TEMPLATE), dtype="float32",
+              n_threads=1, n_parallel=4)
+    constraint = llm.grammar_compiler.lark(call_grammar(TOOLS, fam, parallel=False)[0], "tools")
+    for r in llm.generate("call:", n=3, constraint=constraint, temperature=1.0, seed=7, max_tokens=300):
+        assert r.finish_reason == "stop", r.text
+        content, calls = parse_calls(r.text, fam, set(SCHEMAS))
+        assert len(calls) == 1 and not content, r.text
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

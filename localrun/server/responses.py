@@ -170,7 +170,8 @@ async def collect(server: Server, http_request: Request, sreqs: list[ServerReque
 
 
 def finish_reason(choice: Choice, calls: list) -> str:
-    return "tool_calls" if calls else choice.done.finish_reason
+    """tool_calls when the reply made calls and ended on its own; length stays length."""
+    return "tool_calls" if calls and choice.done.finish_reason == "stop" else choice.done.finish_reason
 
 
 async def respond(server: Server, http_request: Request, body, sreqs: list[ServerRequest], model: str, *,
