@@ -51,6 +51,8 @@ NUMERICS_TESTS = (
     "test_speculative.py::test_rowwise_verify_attends_each_row_exactly_as_a_decode_segment",
     "test_speculative.py::test_adaptive_engine_keeps_output_and_reports",
     "test_speculative_model.py::test_greedy_identical_to_plain_decoding",
+    "test_openai_sampling.py::test_greedy_with_a_penalty_follows_a_hand_loop_over_llm_logits",   # engine vs LLM.logits
+    "test_openai_sampling.py::test_logprobs_match_llm_logits_in_value_rank_and_sum",
 )
 
 
