@@ -105,6 +105,11 @@ def test_gbnf_grammar_is_enforced(tiny):
         assert re.fullmatch(r"(yes|no) [0-9][0-9]?", r.text), r.text
 
 
+def test_a_complete_grammar_ends_the_reply_even_with_ignore_eos(tiny):
+    r = tiny.generate("x", grammar='root ::= "yes" | "no"', ignore_eos=True, max_tokens=10, temperature=1.0, seed=1)
+    assert r.text in ("yes", "no") and r.finish_reason == "stop"
+
+
 def test_compiled_grammars_are_cached_by_schema(tiny):
     compiler = tiny.grammar_compiler
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

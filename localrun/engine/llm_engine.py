@@ -164,6 +164,8 @@ class LLMEngine:
         if params.logit_bias and params.logit_bias[-1][0] >= n_vocab:
             raise InvalidSamplingParam("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}, "
                                                      f"outside the vocabulary (0..{n_vocab - 1})")
+        if params.constraint is not None and params.ignore_eos:   # the grammar's end is the reply's end
+            params = dataclasses.replace(params, ignore_eos=False)
         if params.needs_state:     # its own copy of the params, with its own sampler state
             matcher = params.constraint.new_matcher() if params.constraint is not None else None
             # drafts would be checked against one distribution for several prefixes: a grammar
