@@ -29,102 +29,146 @@ namespace {
 // paged_attention picks one at run time (LOCALRUN_ISA=avx2|ref forces a narrower one). Every
 // row runs the same instructions in the same order whatever else is in the call.
 struct RowArgs {
-    const float* q;            // (hd,) this row's query head
+    const float* q;            // (heads, hd): the query heads of this row that share KV head g
     const float *kp, *vp;      // pools
     const int64_t* table;      // this sequence's block table
-    int64_t block_size, n_kv, g, hd, first, L;
+    int64_t block_size, n_kv, g, hd, first, L, heads;
     float scale;
-    float* scores;             // scratch, L + 8 floats
-    float* out;                // (hd,)
+    float* scores;             // scratch: heads * (L - first + 8) scores, then heads * hd sums
+    float* out;                // (heads, hd)
 };
 
-// One query head of one row over positions first..L-1. HD: the head size at compile time
-// (a multiple of 8), 0 for any multiple of 8 at run time.
+// The query heads of one row that share KV head g, over positions first..L-1: each key and
+// value row is read from memory once for all of them (grouped-query attention), and stays in
+// L1 while each head uses it. Every head's arithmetic is the same, in the same order, as it
+// would be alone. HD: the head size at compile time (a multiple of 8), 0 for any multiple of
+// 8 at run time.
+// Ask for the next block's rows of KV head g (keys or values) while this block is used: the
+// blocks of a sequence lie anywhere in the pool, so the hardware prefetcher cannot follow.
+ALWAYS_INLINE void prefetch_block(const RowArgs& a, const float* pool, int64_t b, int64_t hd) {
+    if (b * a.block_size >= a.L) return;
+    const float* row = pool + (a.table[b] * a.block_size * a.n_kv + a.g) * hd;
+    const int64_t rows = std::min(a.block_size, a.L - b * a.block_size);
+    for (int64_t r = 0; r < rows; r++, row += a.n_kv * hd)
+        for (int64_t c = 0; c < hd; c += 16) __builtin_prefetch(row + c);
+}
+
 template <int HD>
 ALWAYS_INLINE void attend_row(const RowArgs& a) {
-    const int64_t hd = HD ? HD : a.hd, nv = hd / 8;
-    constexpr int NV = HD ? HD / 8 : 32;                         // run-time head sizes: up to 256
-    v8 q[NV], acc[NV];
-    for (int64_t i = 0; i < nv; i++) q[i] = load8(a.q + 8 * i) * splat8(a.scale);
-    // scores[p - first] = q . k_p * scale, block by block through the table
-    float mx = -INFINITY;
+    const int64_t hd = HD ? HD : a.hd, nv = hd / 8, n = a.L - a.first, ls = n + 8, stride = a.n_kv * hd;
+    float* acc_all = a.scores + a.heads * ls;                     // (heads, hd) running sums of e * v
+    float mx[64];
+    for (int64_t hh = 0; hh < a.heads; hh++) mx[hh] = -INFINITY;
+    float qs[64 * 8];                                             // one head's scaled query, reused per key chunk
+    // scores[hh][p - first] = q_hh . k_p * scale, block by block through the table
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         const float* kb = a.kp + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
-        const int64_t stride = a.n_kv * hd;
-        for (; p + 8 <= end; p += 8, kb += 8 * stride) {     // 8 keys at once: 8 independent sums
-            v8 s[8];
-            for (int j = 0; j < 8; j++) s[j] = q[0] * load8(kb + j * stride);
-            for (int64_t i = 1; i < nv; i++)
-                for (int j = 0; j < 8; j++) s[j] += q[i] * load8(kb + j * stride + 8 * i);
-            const v8 sc = transpose_sum8(s);
-            store8(a.scores + (p - a.first), sc);
-            mx = std::max(mx, max8(sc));
+        const int64_t p0 = p;
+        prefetch_block(a, a.kp, b + 1, hd);
+        for (int64_t hh = 0; hh < a.heads; hh++) {
+            for (int64_t i = 0; i < nv; i++) store8(qs + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
+            float* sc_h = a.scores + hh * ls;
+            const float* k = kb;
+            int64_t pp = p0;
+            for (; pp + 8 <= end; pp += 8, k += 8 * stride) {    // 8 keys at once: 8 independent sums
+                v8 s[8];
+                const v8 q0 = load8(qs);
+                for (int j = 0; j < 8; j++) s[j] = q0 * load8(k + j * stride);
+                for (int64_t i = 1; i < nv; i++) {
+                    const v8 qi = load8(qs + 8 * i);
+                    for (int j = 0; j < 8; j++) s[j] += qi * load8(k + j * stride + 8 * i);
+                }
+                const v8 sc = transpose_sum8(s);
+                store8(sc_h + (pp - a.first), sc);
+                mx[hh] = std::max(mx[hh], max8(sc));
+            }
+            for (; pp < end; pp++, k += stride) {
+                v8 s0 = splat8(0.f), s1 = splat8(0.f);
+                int64_t i = 0;
+                for (; i + 2 <= nv; i += 2) { s0 += load8(qs + 8 * i) * load8(k + 8 * i); s1 += load8(qs + 8 * i + 8) * load8(k + 8 * i + 8); }
+                if (i < nv) s0 += load8(qs + 8 * i) * load8(k + 8 * i);
+                const float sc = hsum8(s0 + s1);
+                sc_h[pp - a.first] = sc;
+                mx[hh] = std::max(mx[hh], sc);
+            }
         }
-        for (; p < end; p++, kb += stride) {
-            v8 s0 = splat8(0.f), s1 = splat8(0.f);
-            int64_t i = 0;
-            for (; i + 2 <= nv; i += 2) { s0 += q[i] * load8(kb + 8 * i); s1 += q[i + 1] * load8(kb + 8 * i + 8); }
-            if (i < nv) s0 += q[i] * load8(kb + 8 * i);
-            const float sc = hsum8(s0 + s1);
-            a.scores[p - a.first] = sc;
-            mx = std::max(mx, sc);
+        p = end;
+    }
+    // e^(s - max) per head, summed in 8 lanes
+    float inv[64];
+    for (int64_t hh = 0; hh < a.heads; hh++) {
+        float* sc_h = a.scores + hh * ls;
+        v8 vsum = splat8(0.f);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const v8 e = exp8(load8(sc_h + j) - splat8(mx[hh]));
+            store8(sc_h + j, e);
+            vsum += e;
         }
+        if (j < n) {
+            float tail[8];
+            for (int k = 0; k < 8; k++) tail[k] = j + k < n ? sc_h[j + k] - mx[hh] : -INFINITY;
+            v8 e = exp8(load8(tail));
+            for (int k = 0; k < 8; k++) if (j + k >= n) e[k] = 0.f;
+            for (int k = 0; j + k < n; k++) sc_h[j + k] = e[k];
+            vsum += e;
+        }
+        inv[hh] = 1.0f / hsum8(vsum);
+        for (int64_t i = 0; i < hd; i++) acc_all[hh * hd + i] = 0.f;
     }
-    // e^(s - max), summed in 8 lanes
-    const int64_t n = a.L - a.first;
-    v8 vsum = splat8(0.f);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const v8 e = exp8(load8(a.scores + j) - splat8(mx));
-        store8(a.scores + j, e);
-        vsum += e;
-    }
-    if (j < n) {
-        float tail[8];
-        for (int k = 0; k < 8; k++) tail[k] = j + k < n ? a.scores[j + k] - mx : -INFINITY;
-        v8 e = exp8(load8(tail));
-        for (int k = 0; k < 8; k++) if (j + k >= n) e[k] = 0.f;
-        for (int k = 0; j + k < n; k++) a.scores[j + k] = e[k];
-        vsum += e;
-    }
-    const float inv = 1.0f / hsum8(vsum);
-    // out = sum_p e_p v_p / sum
-    for (int64_t i = 0; i < nv; i++) acc[i] = splat8(0.f);
+    // out_hh = sum_p e_p v_p / sum, a block's values used by every head while in L1
+    constexpr int NV = HD ? HD / 8 : 32;
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         const float* vb = a.vp + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
-        for (; p < end; p++, vb += a.n_kv * hd) {
-            const v8 w = splat8(a.scores[p - a.first]);
-            for (int64_t i = 0; i < nv; i++) acc[i] += w * load8(vb + 8 * i);
+        prefetch_block(a, a.vp, b + 1, hd);
+        for (int64_t hh = 0; hh < a.heads; hh++) {
+            v8 acc[NV];
+            float* acc_h = acc_all + hh * hd;
+            const float* sc_h = a.scores + hh * ls - a.first;
+            for (int64_t i = 0; i < nv; i++) acc[i] = load8(acc_h + 8 * i);
+            const float* v = vb;
+            for (int64_t pp = p; pp < end; pp++, v += stride) {
+                const v8 w = splat8(sc_h[pp]);
+                for (int64_t i = 0; i < nv; i++) acc[i] += w * load8(v + 8 * i);
+            }
+            for (int64_t i = 0; i < nv; i++) store8(acc_h + 8 * i, acc[i]);
         }
+        p = end;
     }
-    for (int64_t i = 0; i < nv; i++) store8(a.out + 8 * i, acc[i] * splat8(inv));
+    for (int64_t hh = 0; hh < a.heads; hh++)
+        for (int64_t i = 0; i < nv; i++) store8(a.out + hh * hd + 8 * i, load8(acc_all + hh * hd + 8 * i) * splat8(inv[hh]));
 }
 
-// Head sizes the vector kernel does not take (not a multiple of 8, or over 256): plain loops.
+// Head sizes the vector kernel does not take (not a multiple of 8, or over 256), or more than
+// 64 heads per KV head: plain loops, one head at a time.
 inline void attend_scalar(const RowArgs& a) {
     const int64_t n = a.L - a.first;
-    float mx = -INFINITY;
-    for (int64_t p = a.first; p < a.L; p++) {
-        const float* k = a.kp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
-        float s = 0.f;
-        for (int64_t d = 0; d < a.hd; d++) s += a.q[d] * a.scale * k[d];
-        a.scores[p - a.first] = s;
-        mx = std::max(mx, s);
+    for (int64_t hh = 0; hh < a.heads; hh++) {
+        const float* q = a.q + hh * a.hd;
+        float* out = a.out + hh * a.hd;
+        float mx = -INFINITY;
+        for (int64_t p = a.first; p < a.L; p++) {
+            const float* k = a.kp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
+            float s = 0.f;
+            for (int64_t d = 0; d < a.hd; d++) s += q[d] * a.scale * k[d];
+            a.scores[p - a.first] = s;
+            mx = std::max(mx, s);
+        }
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; j++) { a.scores[j] = std::exp(a.scores[j] - mx); sum += a.scores[j]; }
+        for (int64_t d = 0; d < a.hd; d++) out[d] = 0.f;
+        for (int64_t p = a.first; p < a.L; p++) {
+            const float* v = a.vp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
+            for (int64_t d = 0; d < a.hd; d++) out[d] += a.scores[p - a.first] * v[d];
+        }
+        for (int64_t d = 0; d < a.hd; d++) out[d] /= sum;
     }
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) { a.scores[j] = std::exp(a.scores[j] - mx); sum += a.scores[j]; }
-    for (int64_t d = 0; d < a.hd; d++) a.out[d] = 0.f;
-    for (int64_t p = a.first; p < a.L; p++) {
-        const float* v = a.vp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
-        for (int64_t d = 0; d < a.hd; d++) a.out[d] += a.scores[p - a.first] * v[d];
-    }
-    for (int64_t d = 0; d < a.hd; d++) a.out[d] /= sum;
 }
 
 ALWAYS_INLINE void attend_any(const RowArgs& a) {
-    if (a.hd % 8 || a.hd > 256) { attend_scalar(a); return; }
+    if (a.hd % 8 || a.hd > 256 || a.heads > 64) { attend_scalar(a); return; }
     switch (a.hd) {
         case 64: attend_row<64>(a); return;
         case 128: attend_row<128>(a); return;
@@ -189,18 +233,19 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const float scale = 1.0f / std::sqrt((float)hd);
     const int64_t group = H / n_kv;
     const RowKernel attend = row_kernel();
-    at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> scores;
+    at::parallel_for(0, T * n_kv, 1, [&](int64_t i0, int64_t i1) {     // (row, KV head) pairs
+        std::vector<float> scratch;
         for (int64_t i = i0; i < i1; i++) {
-            const int64_t t = i / H, h = i % H, L = lenp[t];
+            const int64_t t = i / n_kv, g = i % n_kv, L = lenp[t];
             const int64_t first = window > 0 && L > window ? L - window : 0;   // first position attended
             const int64_t* table = tp + seqp[t] * max_blocks;
             for (int64_t b = first / block_size; b <= (L - 1) / block_size; b++)
                 TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
                             "localrun::paged_attention: block table entry out of range");
-            scores.resize(L - first + 8);
-            const RowArgs args{qp + (t * H + h) * hd, kp, vp, table, block_size, n_kv, h / group, hd, first, L, scale,
-                               scores.data(), op + (t * H + h) * hd};
+            scratch.resize(group * (L - first + 8 + hd));
+            const int64_t h0 = g * group;
+            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, table, block_size, n_kv, g, hd, first, L, group, scale,
+                               scratch.data(), op + (t * H + h0) * hd};
             attend(args);
         }
     });
