@@ -118,6 +118,14 @@ def test_localrun_equals_the_reference(tiny, family, tensor_type):
         assert f.top1 == 1.0 and f.max_abs_diff < 1e-3, (options, f)
 
 
+def test_untied_qwen2_head_equals_the_reference(tiny):
+    """Qwen 2.5's larger models keep output.weight apart from the embeddings."""
+    path, prompt = tiny("qwen2", "Q8_0", tied_output=False), ids(16, seed=7)
+    assert "output.weight" in open_gguf(path).tensors
+    f = fidelity(naive_logits(path, prompt), LLM(path, n_ctx=64).logits(prompt).numpy())
+    assert f.top1 == 1.0 and f.max_abs_diff < 1e-3, f
+
+
 # --- sliding window through the engine ---------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
