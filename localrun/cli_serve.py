@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from localrun.errors import UserError
+from localrun.server import DEFAULT_MAX_QUEUE
 
 err = Console(stderr=True, highlight=False)
 
@@ -101,6 +102,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
           alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients use (default: the name given)."),
           strict_model_name: bool = typer.Option(False, "--strict-model-name", help="Answer 404 to requests naming "
                                                  "another model (default: serve the one model under any name)."),
+          max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue", help="Requests waiting for their first step past "
+                                        "which new ones get 503 with Retry-After (at least 1)."),
           max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes (also "
                                        "bounded by what the context can hold)."),
           allow_origin: Optional[List[str]] = typer.Option(None, "--allow-origin", help="A web origin allowed to "
@@ -120,6 +123,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
 
     if not 0 < port < 65536:
         raise UserError(f"--port must be between 1 and 65535, got {port}")
+    if max_queue < 1:
+        raise UserError(f"--max-queue must be at least 1, got {max_queue}")
     if log_level not in ("debug", "info", "warning", "error"):
         raise UserError(f"--log-level must be debug, info, warning or error, got '{log_level}'")
     if api_key is not None and not api_key.strip():
@@ -147,7 +152,7 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     name = alias or (given if not given.endswith(".gguf") else llm.model_path.stem)
     aliases = frozenset({llm.model_path.name, llm.model_path.stem, str(llm.model_path)} - {name})
     app = create_app(llm, ServerConfig(name, aliases, api_key, max_body, access=access,
-                                       strict_model_name=strict_model_name))
+                                       strict_model_name=strict_model_name, max_queue=max_queue))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("localrun").setLevel(log_level.upper())
     stats = llm.engine.stats()

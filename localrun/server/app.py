@@ -35,6 +35,7 @@ from localrun.errors import UserError
 from localrun.grammar import GrammarError
 from localrun.sampling import InvalidSamplingParam, SamplingParams
 from localrun.tools import ToolError, ToolPlan
+from localrun.server import DEFAULT_MAX_QUEUE
 from localrun.server.engine_loop import EngineLoop, Event, ServerRequest
 from localrun.server.guard import AccessPolicy, RequestGuard
 from localrun.server.json_body import ClientGone, decode, read_body
@@ -61,6 +62,7 @@ class ServerConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     access: AccessPolicy = AccessPolicy()
     strict_model_name: bool = False      # True: a request naming another model gets a 404
+    max_queue: int | None = DEFAULT_MAX_QUEUE    # queued requests past which a new one gets 503; None: no bound
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
@@ -85,7 +87,7 @@ class Server:
         self.llm, self.config = llm, config
         engine = llm.engine
         self.metrics = ServerMetrics(engine)
-        self.loop = EngineLoop(engine, llm.tokenizer, observer=self.metrics)
+        self.loop = EngineLoop(engine, llm.tokenizer, observer=self.metrics, max_queue=config.max_queue)
         self.created = int(time.time())
         self.body_limit = min(config.max_body_bytes, context_body_bytes(llm))
         self.worker = anyio.CapacityLimiter(1)     # prompt preparation, one request at a time
@@ -118,6 +120,18 @@ class Server:
             log.info("requests name the model %r: serving %r (start with --strict-model-name to refuse)",
                      name[:100], self.config.model_name)
         return self.config.model_name
+
+    def check_queue(self) -> None:
+        """A 503 with Retry-After when the queue is full (before any work on the body)."""
+        if self.loop.queue_full():
+            self.refuse_queue_full()
+
+    def refuse_queue_full(self):
+        self.metrics.rejected.labels("queue_full").inc()
+        retry = self.loop.retry_after_s()
+        raise APIError(503, f"the server is busy: {self.loop.max_queue} requests are already waiting; "
+                            f"retry in {retry} s", type="server_error", code="queue_full",
+                       headers={"Retry-After": str(retry)})
 
     async def read_body(self, request: Request) -> bytes:
         return await read_body(request, self.body_limit, self.config.body_timeout_s)
@@ -218,10 +232,10 @@ class Server:
         requests = []
         for i in range(n):
             choice_params = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-            request = ServerRequest(request_id if i == 0 else f"{request_id}-{i}", prompt_ids, choice_params,
-                                    asyncio.get_running_loop(), events=events, index=i)
-            self.loop.submit(request)
-            requests.append(request)
+            requests.append(ServerRequest(request_id if i == 0 else f"{request_id}-{i}", prompt_ids,
+                                          choice_params, asyncio.get_running_loop(), events=events, index=i))
+        if not self.loop.try_submit(requests):
+            self.refuse_queue_full()
         return requests
 
     def log_request(self, request: ServerRequest, event: Event | None, status: str) -> None:
@@ -293,7 +307,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(InvalidSamplingParam)
     async def bad_sampling(request: Request, e: InvalidSamplingParam):
@@ -343,6 +357,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         server.check_auth(request)
+        server.check_queue()
         p = await server.prepare(await server.read_body(request), chat=True)
         sreqs = server.submit(p.prompt_ids, p.params, "chatcmpl", p.body.num_choices)
         if p.dropped:
@@ -354,6 +369,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         server.check_auth(request)
+        server.check_queue()
         p = await server.prepare(await server.read_body(request), chat=False)
         sreqs = server.submit(p.prompt_ids, p.params, "cmpl", p.body.num_choices)
         return await respond(server, request, p.body, sreqs, p.model, chat=False, extra_timings={})

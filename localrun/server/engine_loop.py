@@ -7,11 +7,17 @@ drops aborted ones between steps, runs `engine.step()` while anything is unfinis
 each sampled token into text (stop strings included) and hands the pieces back to the
 event loop with `call_soon_threadsafe`. Torch releases the GIL inside its kernels, so the
 event loop keeps serving while a step runs.
+
+The queue is bounded: a request counts as queued from `try_submit` until the engine first
+schedules it (it shows up in a step's outputs) or it ends unscheduled (aborted, refused).
+Past `max_queue` queued requests `try_submit` refuses, and the server answers 503. A queued
+request whose client leaves is aborted between steps, before it is ever scheduled.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -51,6 +57,7 @@ class ServerRequest:
     last_token_at: float | None = None
     index: int = 0                 # its choice among the request's n (they may share `events`)
     pending_logprobs: list = field(default_factory=list)
+    queued: bool = True            # not yet scheduled by the engine (counts against max_queue)
 
     def put(self, event: Event) -> None:
         """Thread-safe: hand an event to the handler waiting on the event loop."""
@@ -65,8 +72,9 @@ class EngineLoop:
     """Owns the engine thread. `observer` gets per-token and per-request callbacks (metrics)."""
 
     IDLE_WAIT_S = 0.05
+    QUEUE_TIME_SMOOTHING = 0.2     # weight of the newest request in the mean queue time
 
-    def __init__(self, engine, tokenizer, observer=None):
+    def __init__(self, engine, tokenizer, observer=None, max_queue: int | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eog = frozenset(tokenizer.eog_ids)
@@ -78,14 +86,45 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="localrun-engine", daemon=True)
         self.healthy = True
         self.last_error: str | None = None
+        if max_queue is not None and max_queue < 1:
+            raise UserError(f"the queue bound must be at least 1 request, got {max_queue}")
+        self.max_queue = max_queue
+        self._queue_lock = threading.Lock()
+        self._num_queued = 0           # under _queue_lock: submitted, not yet scheduled
+        self.mean_queue_s = 0.0        # smoothed arrival-to-first-scheduled time (engine thread writes)
 
     # --- called from the event loop ------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, request: ServerRequest) -> None:
+        """Queue a request whatever the bound (see try_submit)."""
+        with self._queue_lock:
+            self._num_queued += 1
         self._commands.put(("add", request))
         self._wake.set()
+
+    def try_submit(self, requests: list[ServerRequest]) -> bool:
+        """Queue all of requests (one HTTP request's choices) or, past max_queue, none."""
+        with self._queue_lock:
+            if self.max_queue is not None and self._num_queued + len(requests) > self.max_queue:
+                return False
+            self._num_queued += len(requests)
+        for request in requests:
+            self._commands.put(("add", request))
+        self._wake.set()
+        return True
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    def queue_full(self) -> bool:
+        return self.max_queue is not None and self._num_queued >= self.max_queue
+
+    def retry_after_s(self) -> int:
+        """What a refused client should wait: the recent mean queue time, at least a second."""
+        return max(1, math.ceil(self.mean_queue_s))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -136,7 +175,7 @@ class EngineLoop:
                 self._add(arg)
             elif kind == "abort" and arg in self._requests:
                 self.engine.abort(arg)
-                del self._requests[arg]
+                self._leave_queue(self._requests.pop(arg))
                 if self.observer:
                     self.observer.on_abort()
 
@@ -146,15 +185,28 @@ class EngineLoop:
             self.engine.add_request(request.request_id, request.prompt_ids, request.params,
                                     arrival_time=request.arrival)
         except UserError as e:
+            self._leave_queue(request)
             request.put(Event("error", message=str(e)))
             return
         self._requests[request.request_id] = request
+
+    def _leave_queue(self, request: ServerRequest, now: float | None = None) -> None:
+        """The request is scheduled (now: when) or ends unscheduled: it no longer counts as queued."""
+        if not request.queued:
+            return
+        request.queued = False
+        with self._queue_lock:
+            self._num_queued -= 1
+        if now is not None:
+            a = self.QUEUE_TIME_SMOOTHING
+            self.mean_queue_s = (1 - a) * self.mean_queue_s + a * (now - request.arrival)
 
     def _handle(self, out, now: float) -> None:
         seq = out.seq
         request = self._requests.get(seq.request_id)
         if request is None:
             return
+        self._leave_queue(request, now)
         if out.error is not None:
             log.error("%s failed alone: %s", seq.request_id, out.error)
             del self._requests[seq.request_id]
@@ -198,6 +250,7 @@ class EngineLoop:
     def _finish_abort(self, request_id: str, message: str) -> None:
         request = self._requests.pop(request_id)
         self.engine.abort(request_id)
+        self._leave_queue(request)
         request.put(Event("error", message=message))
 
     def _fail_one(self, request_id: str, error: str) -> None:

@@ -76,6 +76,9 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.requests.labels(reason)       # export zeros before the first request
+        self.rejected = Counter("localrun_requests_rejected", "Requests refused with a 503 by reason "
+                                "(queue_full: --max-queue requests were already waiting).", ["reason"], registry=r)
+        self.rejected.labels("queue_full")
         r.register(EngineCollector(engine))
 
     def on_token(self, gap_s: float | None) -> None:

@@ -22,9 +22,10 @@ MAX_N = 16      # choices per request: each is a sequence in the engine (one pre
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.headers = headers    # e.g. Retry-After on a 503
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
