@@ -308,14 +308,17 @@ requests = st.lists(st.tuples(st.integers(0, len(BASE)),                       #
 @settings(max_examples=300, deadline=None)
 @given(requests=requests, block_size=st.sampled_from([2, 4]), num_blocks_extra=st.integers(0, 4),
        max_num_seqs=st.integers(1, 4), budget_extra=st.integers(0, 12), chunked=st.booleans(),
-       policy=st.sampled_from(["fcfs", "cache_aware"]))
+       policy=st.sampled_from(["fcfs", "cache_aware"]), reserve=st.sampled_from([0, 3, 12]),
+       watermark=st.sampled_from([0.0, 0.1]))
 def test_every_request_finishes_once_with_its_solo_output(requests, block_size, num_blocks_extra,
-                                                          max_num_seqs, budget_extra, chunked, policy):
+                                                          max_num_seqs, budget_extra, chunked, policy,
+                                                          reserve, watermark):
     max_model_len = 24
     bm = BlockManager(max_model_len // block_size + num_blocks_extra, block_size)
     budget = max_num_seqs + budget_extra if chunked else max_model_len
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             enable_chunked_prefill=chunked, policy=policy, max_model_len=max_model_len)
+                             enable_chunked_prefill=chunked, policy=policy, max_model_len=max_model_len,
+                             output_reserve_tokens=reserve, watermark=watermark)
     scheduler, runner = Scheduler(config, bm, eos_token_ids=(EOS,)), FakeRunner(bm)
     seqs = [Sequence(f"r{i}", BASE[:n] + tail or [1], Params(max_tokens=m, ignore_eos=ignore))
             for i, (n, tail, m, ignore, _, _) in enumerate(requests)]
@@ -381,3 +384,52 @@ def test_requests_sharing_a_prefix_in_flight_wait_for_its_blocks():
     while scheduler.has_unfinished():
         step(scheduler, runner)
     assert b.generated_token_ids == reference_generate(b.prompt_token_ids, b.sampling_params, 10_000)[0]
+
+
+def run_to_end(scheduler, runner, seqs):
+    for seq in seqs:
+        scheduler.add(seq)
+    for _ in range(1000):
+        if not scheduler.has_unfinished():
+            return
+        step(scheduler, runner)
+    raise AssertionError("the workload did not finish")
+
+
+@pytest.mark.parametrize("reserve", [0, 12])
+def test_admission_that_reserves_queues_instead_of_preempting(reserve):
+    """Six 6-token prompts, 12 tokens out each, a pool of 12 blocks of 4. Admitted greedily,
+    four start at 2 blocks each and must preempt as they grow to 5 blocks (18 tokens). With
+    the whole output reserved, two run at a time (2 x 5 = 10 <= 12 blocks): no preemption,
+    the same outputs, each equal to the request alone."""
+    scheduler, runner = make(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                             output_reserve_tokens=reserve)
+    params = Params(max_tokens=12, ignore_eos=True)
+    seqs = [Sequence(f"r{i}", [1 + i, 2, 3, 4, 5, 6 + i], params) for i in range(6)]
+    run_to_end(scheduler, runner, seqs)
+    for seq in seqs:
+        assert seq.generated_token_ids == reference_generate(seq.prompt_token_ids, params, 10_000)[0]
+    if reserve:
+        assert scheduler.stats.num_preemptions == 0 and scheduler.stats.num_admissions_deferred > 0
+    else:
+        assert scheduler.stats.num_preemptions > 0
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_the_watermark_keeps_free_blocks_back_but_never_blocks_an_idle_engine():
+    """A pool of 10 blocks of 4 with a 30% watermark (3 blocks): a 6-token prompt takes 2, a
+    second one would leave 10 - 2 - 2 = 6 >= 3 free, a third 4, a fourth 2 < 3: it waits. A
+    prompt of 36 tokens (9 blocks, past the watermark) is still admitted when nothing runs."""
+    scheduler, runner = make(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                             watermark=0.3)
+    params = Params(max_tokens=2, ignore_eos=True)
+    for i in range(4):
+        scheduler.add(Sequence(f"r{i}", [1 + i, 2, 3, 4, 5, 6], params))
+    batch, _ = step(scheduler, runner)
+    assert [e.seq.request_id for e in batch.entries] == ["r0", "r1", "r2"]
+    run_to_end(scheduler, runner, [])
+    scheduler.add(Sequence("long", list(range(7, 25)) * 2, params))
+    batch, _ = step(scheduler, runner)
+    assert shape(batch) == [("long", 0, 36)]
+    run_to_end(scheduler, runner, [])
+    assert scheduler.block_manager.num_used_blocks == 0

@@ -225,6 +225,13 @@ class BlockManager:
             return False
         return num_needed <= self.num_free_blocks - num_revived
 
+    def num_blocks_to_admit(self, seq: Sequence, num_tokens: int) -> int:
+        """Free blocks that seq would take to hold its first num_tokens tokens: the new ones
+        past its cached prefix, plus the cached ones nobody references (they leave the free list)."""
+        cached = self._find_cached_blocks(seq)
+        num_needed = max(self.num_blocks_needed(num_tokens) - len(cached), 0)
+        return num_needed + sum(1 for b in cached if self.blocks[b].ref_count == 0)
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Admit seq: share its cached prefix blocks, then add slots for num_new_tokens tokens."""
         assert not seq.block_table and seq.num_computed_tokens == 0, "sequence already holds blocks"

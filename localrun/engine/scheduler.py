@@ -12,6 +12,15 @@ waits to be recomputed (its full blocks usually stay in the prefix cache, so rec
 cheap). With no such victim, a decode preempts itself and a prefill takes a smaller chunk.
 No new request is admitted in a step that preempted.
 
+Admission reserves (`output_reserve_tokens`, `watermark`): while anything runs, a waiting
+sequence is admitted only if the free blocks cover its whole prompt and its next
+`output_reserve_tokens` tokens, the same look-ahead for every running sequence (what each
+still needs to finish its prompt and grow that far), and a watermark of free blocks on top
+(vLLM's rule, with the output reserve added). Under a tight KV budget requests then queue
+instead of being admitted and preempted a few steps later; preemption remains the last
+resort for sequences that outgrow their reserve. With nothing running, a request that fits
+at all is admitted, so the queue always moves.
+
 Speculative decoding: a decoding sequence may carry draft tokens (`seq.draft_token_ids`, set
 by the speculator before the step). Its entry then computes the last token plus the drafts,
 and the runner samples at every one of those rows. Drafts are optional work: they take only
@@ -45,6 +54,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"                   # or "cache_aware": longest cached prefix first
     max_model_len: int | None = None       # context length; default: the whole KV cache
+    output_reserve_tokens: int = 0         # admission reserves blocks for this many output tokens per sequence
+    watermark: float = 0.0                 # and keeps this fraction of all blocks free (0.0: admit greedily)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -52,6 +63,10 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UserError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                             f"least max_num_seqs ({self.max_num_seqs}), so every decode fits a step.")
+        if self.output_reserve_tokens < 0:
+            raise UserError(f"output_reserve_tokens must be at least 0, got {self.output_reserve_tokens}.")
+        if not 0.0 <= self.watermark < 1.0:
+            raise UserError(f"watermark must be a fraction of the KV blocks in [0, 1), got {self.watermark}.")
         if self.policy not in POLICIES:
             raise UserError(f"Unknown scheduling policy {self.policy!r}; choose one of {POLICIES}.")
 
@@ -138,6 +153,7 @@ class SchedulerStats:
     num_decode_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_admissions_deferred: int = 0   # steps in which the reserve rule held back a request that fit
     num_finished: int = 0      # aborted ones included
     num_aborted: int = 0
     num_draft_tokens: int = 0      # drafted tokens verified
@@ -276,8 +292,31 @@ class Scheduler:
             block_manager.append_slots(seq, num_new)
         return num_new
 
+    def _final_len(self, seq: Sequence) -> int:
+        """The length seq reaches if it runs to max_tokens (or the context length)."""
+        params = seq.sampling_params
+        if params is not None and params.max_tokens is not None:
+            return min(self.max_model_len, seq.num_prompt_tokens + params.max_tokens)
+        return self.max_model_len
+
+    def _reserve_target(self, seq: Sequence) -> int:
+        """Tokens whose blocks admission keeps for seq: its whole prompt, and
+        output_reserve_tokens past its current length (never past where it ends)."""
+        return min(self._final_len(seq), seq.num_tokens + self.config.output_reserve_tokens)
+
+    def _num_reserved_blocks(self, seq: Sequence) -> int:
+        """Blocks a running seq will still take to reach its reserve target."""
+        target = self.block_manager.num_blocks_needed(self._reserve_target(seq))
+        return max(target - len(seq.block_table), 0)
+
+    def _reserving(self) -> bool:
+        return self.config.output_reserve_tokens > 0 or self.config.watermark > 0
+
     def _admit_waiting(self, budget: int, entries: list[BatchEntry]) -> None:
         block_manager = self.block_manager
+        reserving = self._reserving()
+        num_watermark = int(self.config.watermark * block_manager.num_blocks)
+        num_committed = sum(self._num_reserved_blocks(s) for s in self.running) if reserving else 0
         candidates = list(self.waiting)
         if self.config.policy == "cache_aware":
             candidates.sort(key=lambda s: (-block_manager.num_cached_prefix_tokens(s), s.arrival_index))
@@ -294,6 +333,11 @@ class Scheduler:
                 num_new = budget
             if not block_manager.can_allocate(seq, num_new):
                 break
+            if reserving and self.running:
+                num_needed = block_manager.num_blocks_to_admit(seq, self._reserve_target(seq))
+                if block_manager.num_free_blocks - num_needed - num_committed < num_watermark:
+                    self.stats.num_admissions_deferred += 1
+                    break
             self.waiting.remove(seq)
             block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
@@ -303,6 +347,8 @@ class Scheduler:
                 seq.timeline.num_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             entries.append(self._entry(seq, num_new))
             budget -= num_new
+            if reserving:
+                num_committed += self._num_reserved_blocks(seq)
 
     def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
         """True when a running sequence is still prefilling the next full block of seq's prompt
