@@ -303,3 +303,21 @@ def test_server_answers_a_bad_gemma_role_order_with_400_and_stays_healthy(tiny):
         good = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "model": "tiny-gemma", "max_tokens": 2, "messages": [{"role": "user", "content": "a"}]})
         assert good.status_code == 200, good.text
+
+
+def test_gemma_preemption_under_a_tiny_pool_keeps_every_output(gemma_model):
+    """16 global blocks for four sequences of up to 34 tokens: sequences are preempted and
+    recomputed (both pools given back and taken again), and every output is still the one the
+    sequence gets alone; both pools end empty."""
+    engine = make_engine(gemma_model, num_blocks=16, max_model_len=64, max_num_seqs=4)
+    prompts = [ids(n, seed=50 + n) for n in (10, 14, 18, 12)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["num_preemptions"] >= 1
+    for s, prompt in zip(seqs, prompts):
+        alone = list(SequenceRunner(gemma_model, gemma_model.freqs.shape[0]).generate(list(prompt), params,
+                                                                                      frozenset({EOS})))
+        assert s.generated_token_ids == alone, s.request_id
+    assert engine.block_manager.num_used_blocks == 0 and engine.block_manager.window.num_used_blocks == 0
