@@ -229,7 +229,9 @@ def test_chunked_prefill_never_stalls_a_running_decode(model):
 
 
 def test_preemption_under_a_tiny_pool_keeps_every_output(model):
-    engine = make_engine(model, num_blocks=16, max_model_len=64, max_num_seqs=4)
+    # admitted greedily (no output reserve, no watermark), so that the pool runs out and preempts
+    engine = make_engine(model, num_blocks=16, max_model_len=64, max_num_seqs=4, output_reserve_tokens=0,
+                         watermark=0.0)
     prompts = [random_ids(n, seed=50 + n) for n in (10, 14, 18, 12)]
     params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3 + \
              [SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3,
@@ -238,6 +240,24 @@ def test_preemption_under_a_tiny_pool_keeps_every_output(model):
     assert engine.stats()["num_preemptions"] >= 1
     for seq, prompt, p in zip(seqs, prompts, params):
         assert seq.generated_token_ids == solo(model, prompt, p), seq.request_id
+    assert engine.stats()["num_blocks_used"] == 0
+
+
+def test_admission_that_reserves_queues_instead_of_preempting(model):
+    """The workload above under the engine's default admission (prompt + 64 output tokens
+    reserved, 1% watermark): requests wait for blocks instead of being preempted, and every
+    output is still the request's alone."""
+    prompts = [random_ids(n, seed=50 + n) for n in (10, 14, 18, 12)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    greedy = make_engine(model, num_blocks=16, max_model_len=64, max_num_seqs=4, output_reserve_tokens=0,
+                         watermark=0.0)
+    run_all(greedy, prompts, [params] * 4)
+    engine = make_engine(model, num_blocks=16, max_model_len=64, max_num_seqs=4)
+    seqs = run_all(engine, prompts, [params] * 4)
+    assert greedy.stats()["num_preemptions"] >= 1 and engine.stats()["num_preemptions"] == 0
+    assert engine.stats()["num_admissions_deferred"] > 0
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.generated_token_ids == solo(model, prompt, params), seq.request_id
     assert engine.stats()["num_blocks_used"] == 0
 
 

@@ -192,9 +192,11 @@ def test_speculative_and_plain_requests_share_a_batch_under_preemption(model):
     """Mixed requests, a pool small enough to preempt, chunked prefill, a tight token budget."""
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, speculative=i % 2 == 0)
               for i in range(len(PROMPTS))]
-    plain, _ = run(model, PROMPTS, params, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=8, max_model_len=96)
+    greedy = {"output_reserve_tokens": 0, "watermark": 0.0}    # admitted greedily, so that the pool preempts
+    plain, _ = run(model, PROMPTS, params, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=8, max_model_len=96,
+                   **greedy)
     spec, engine = run(model, PROMPTS, params, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=8, max_model_len=96,
-                       speculative=SpeculativeConfig("ngram", **FIXED))
+                       speculative=SpeculativeConfig("ngram", **FIXED), **greedy)
     assert [s.generated_token_ids for s in spec] == [s.generated_token_ids for s in plain]
     assert all(s.num_draft_tokens == 0 for s in spec[1::2])
     assert sum(s.num_draft_tokens for s in spec[0::2]) > 0

@@ -61,6 +61,14 @@ def default_num_tokens(devices: list[torch.device], bytes_per_layer_token: float
     return min(int(free_memory_bytes(d) // (n * bytes_per_layer_token)) for d, n in layers_on.items())
 
 
+# Admission (scheduler.py): a request is admitted while the free blocks cover its prompt, the
+# next DEFAULT_OUTPUT_RESERVE_TOKENS tokens of it and of every running sequence, and 1% of the
+# pool (vLLM's watermark). 64 tokens are four blocks of 16: most chat replies' first seconds,
+# and few enough that a generous budget never notices.
+DEFAULT_OUTPUT_RESERVE_TOKENS = 64
+DEFAULT_WATERMARK = 0.01
+
+
 class LLMEngine:
 
     def __init__(self, model: Transformer, *, tokenizer_eog_ids: tuple[int, ...] | frozenset[int] = (),
@@ -71,7 +79,8 @@ class LLMEngine:
                  policy: str = "fcfs", check_stop: Callable[[Sequence], str | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, disk_cache: DiskCacheConfig | None = None,
                  ram_cache_bytes: int | None = None,
-                 speculative: SpeculativeConfig | None = None, draft_model: Transformer | None = None):
+                 speculative: SpeculativeConfig | None = None, draft_model: Transformer | None = None,
+                 output_reserve_tokens: int = DEFAULT_OUTPUT_RESERVE_TOKENS, watermark: float = DEFAULT_WATERMARK):
         config = model.config
         kv_type = check_kv_type(kv_type or default_kv_type(model.dtype))
         max_positions = model.freqs.shape[0]
@@ -120,7 +129,8 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-                                           max_model_len=self.max_model_len)
+                                           max_model_len=self.max_model_len,
+                                           output_reserve_tokens=output_reserve_tokens, watermark=watermark)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids),
                                    check_stop, clock)
         self.runner = ModelRunner(model, self.kv_cache, batch_invariant_decode=speculative is not None,
@@ -312,6 +322,7 @@ class LLMEngine:
                 "disk_cache_corrupt_files": self.disk_cache.stats.num_corrupt,
                 "disk_cache_load_s": self.disk_cache.stats.load_s} if self.disk_cache is not None else {}),
             "num_preemptions": sched.num_preemptions,
+            "num_admissions_deferred": sched.num_admissions_deferred,
             "num_steps": sched.num_steps,
             "num_prefill_tokens": sched.num_prefill_tokens,
             "num_decode_tokens": sched.num_decode_tokens,

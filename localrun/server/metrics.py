@@ -34,6 +34,8 @@ ENGINE_METRICS = (
      "Prompt tokens found in the prefix cache."),
     ("prefix_cache_queries", "localrun_prefix_cache_lookups", "counter", "Prefix-cache lookups (requests)."),
     ("num_preemptions", "localrun_num_preemptions", "counter", "Sequences preempted to free KV blocks."),
+    ("num_admissions_deferred", "localrun_num_admissions_deferred", "counter",
+     "Steps in which a waiting request that fit was held back to keep KV blocks in reserve."),
 )
 
 
