@@ -433,3 +433,45 @@ def test_the_watermark_keeps_free_blocks_back_but_never_blocks_an_idle_engine():
     assert shape(batch) == [("long", 0, 36)]
     run_to_end(scheduler, runner, [])
     assert scheduler.block_manager.num_used_blocks == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=requests, block_size=st.sampled_from([2, 4]), num_blocks_extra=st.integers(0, 6),
+       max_num_seqs=st.integers(1, 3), max_bypass=st.integers(0, 3), reserve=st.sampled_from([0, 4]))
+def test_cache_aware_order_lets_no_request_be_passed_more_than_the_age_bound(requests, block_size,
+                                                                            num_blocks_extra, max_num_seqs,
+                                                                            max_bypass, reserve):
+    """Counted from outside: each time a request is admitted, every request still waiting
+    that arrived before it was passed once. No request is passed more than max_bypass times,
+    and every output is the request's alone."""
+    max_model_len = 24
+    bm = BlockManager(max_model_len // block_size + num_blocks_extra, block_size)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs + 6,
+                             policy="cache_aware", max_model_len=max_model_len, max_bypass=max_bypass,
+                             output_reserve_tokens=reserve)
+    scheduler, runner = Scheduler(config, bm, eos_token_ids=(EOS,)), FakeRunner(bm)
+    seqs = [Sequence(f"r{i}", BASE[:n] + tail or [1], Params(max_tokens=m, ignore_eos=ignore))
+            for i, (n, tail, m, ignore, _, _) in enumerate(requests)]
+    passed = {s.request_id: 0 for s in seqs}
+    for step_index in range(500):
+        for seq, (*_, arrival, _) in zip(seqs, requests):
+            if arrival == step_index:
+                scheduler.add(seq)
+        if not scheduler.has_unfinished() and step_index > 6:
+            break
+        waiting_before = list(scheduler.waiting)
+        batch = scheduler.schedule()
+        was_waiting = {id(s) for s in waiting_before}
+        admitted = [e.seq for e in batch.entries if id(e.seq) in was_waiting]    # in admission order
+        for i, seq in enumerate(admitted):
+            admitted_so_far = {id(s) for s in admitted[:i + 1]}
+            for other in waiting_before:
+                if other.arrival_index < seq.arrival_index and id(other) not in admitted_so_far:
+                    passed[other.request_id] += 1
+        scheduler.postprocess(batch, runner.run(batch))
+        assert max(passed.values()) <= max_bypass
+    else:
+        raise AssertionError("the workload did not finish")
+    for seq in seqs:
+        assert (seq.generated_token_ids, seq.finish_reason) == reference_generate(
+            seq.prompt_token_ids, seq.sampling_params, max_model_len)

@@ -4,8 +4,10 @@ Each step fills a token budget (`max_num_batched_tokens`) in this order:
   1. running sequences that decode, one token each, oldest first (a long prompt never
      delays them: the budget is at least `max_num_seqs`);
   2. running sequences part-way through their prompt, their next chunk, oldest first;
-  3. waiting sequences, FCFS or longest cached prefix first, while `max_num_seqs`,
-     the budget and the free blocks allow.
+  3. waiting sequences, FCFS or longest cached prefix first (SGLang's order: a shared
+     prefix is computed once and reused at once), while `max_num_seqs`, the budget and the
+     free blocks allow. Age bound: a waiting sequence that `max_bypass` later arrivals have
+     been admitted ahead of goes first, and none is admitted past it, so nothing waits forever.
 When a running sequence needs a block and none is free, the newest running sequence that
 is newer than it and not yet in this step's batch is preempted: its blocks are freed and it
 waits to be recomputed (its full blocks usually stay in the prefix cache, so recomputing is
@@ -56,6 +58,7 @@ class SchedulerConfig:
     max_model_len: int | None = None       # context length; default: the whole KV cache
     output_reserve_tokens: int = 0         # admission reserves blocks for this many output tokens per sequence
     watermark: float = 0.0                 # and keeps this fraction of all blocks free (0.0: admit greedily)
+    max_bypass: int = 16                   # later arrivals admitted ahead of a waiting sequence, at most
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -63,6 +66,8 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UserError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                             f"least max_num_seqs ({self.max_num_seqs}), so every decode fits a step.")
+        if self.max_bypass < 0:
+            raise UserError(f"max_bypass must be at least 0, got {self.max_bypass}.")
         if self.output_reserve_tokens < 0:
             raise UserError(f"output_reserve_tokens must be at least 0, got {self.output_reserve_tokens}.")
         if not 0.0 <= self.watermark < 1.0:
@@ -317,14 +322,18 @@ class Scheduler:
         reserving = self._reserving()
         num_watermark = int(self.config.watermark * block_manager.num_blocks)
         num_committed = sum(self._num_reserved_blocks(s) for s in self.running) if reserving else 0
+        max_bypass = self.config.max_bypass
         candidates = list(self.waiting)
         if self.config.policy == "cache_aware":
             candidates.sort(key=lambda s: (-block_manager.num_cached_prefix_tokens(s), s.arrival_index))
+        overdue = [s for s in self.waiting if s.num_bypassed >= max_bypass]    # by arrival
+        if overdue:
+            candidates = overdue + [s for s in candidates if s.num_bypassed < max_bypass]
         for seq in candidates:
             if len(self.running) >= self.config.max_num_seqs or budget == 0:
                 break
             num_cached = block_manager.num_cached_prefix_tokens(seq)
-            if self._prefix_in_flight(seq, num_cached):
+            if seq.num_bypassed < max_bypass and self._prefix_in_flight(seq, num_cached):
                 continue   # wait a step or two and take those blocks from the cache instead
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
@@ -339,6 +348,9 @@ class Scheduler:
                     self.stats.num_admissions_deferred += 1
                     break
             self.waiting.remove(seq)
+            for other in self.waiting:
+                if other.arrival_index < seq.arrival_index:
+                    other.num_bypassed += 1
             block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_index)

@@ -56,6 +56,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)     # logical block -> physical block id
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained hash per full block
     arrival_index: int = -1               # set by the scheduler: lower is served first
+    num_bypassed: int = 0                 # requests that arrived later but were admitted while it waited
     timeline: SequenceTimeline = field(default_factory=SequenceTimeline, repr=False)
     draft_token_ids: list[int] = field(default_factory=list)   # proposed for the next step only
     draft_probs: object = field(default=None, repr=False)  # (k, V) draft distribution; None: deterministic
