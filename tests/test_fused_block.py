@@ -1,6 +1,7 @@
 """localrun::decode_block (localrun/model/fused_block.py) against Block.forward's Python path:
 the same rows, the same bits, for decode rows of several sequences read through shuffled
-block tables, on quantized weights (the only weights it runs on)."""
+block tables, on quantized weights (the only weights it runs on), for every family's block
+shape (qwen2's biases, qwen3's head norms, gemma3's post-norms, GELU and sliding window)."""
 from __future__ import annotations
 
 import random
@@ -11,6 +12,7 @@ import torch
 from localrun import kernels
 from localrun.api import LLM
 from localrun.model.llama import PagedRows
+from synthetic_gguf import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="localrun's kernels did not compile here")
 
@@ -26,9 +28,11 @@ def decode_logits(model, tokens, lengths, pools, block_size, tables):
     return logits, pools
 
 
-@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0", "Q4_K"])
-def test_fused_decode_block_equals_python_block(tiny_gguf, tensor_type):
-    model = LLM(tiny_gguf(tensor_type), dtype="float32", quantized=True, n_threads=1).model
+@pytest.mark.parametrize("architecture, tensor_type", [("llama", "Q4_0"), ("llama", "Q8_0"), ("llama", "Q4_K"),
+                                                       ("qwen2", "Q8_0"), ("qwen3", "Q4_0"), ("gemma3", "Q8_0")])
+def test_fused_decode_block_equals_python_block(tmp_path, architecture, tensor_type):
+    path = write_tiny_model(tmp_path / f"{architecture}.gguf", architecture=architecture, tensor_type=tensor_type)
+    model = LLM(path, dtype="float32", quantized=True, n_threads=1).model
     assert all(b.fused_decode is not None for b in model.layers)
     c, bs, num_blocks = model.config, 4, 16
     g = torch.Generator().manual_seed(0)

@@ -1,11 +1,12 @@
 """A block's decode step in one compiled call (localrun::decode_block, csrc/decode_block.cpp).
 
-When every row of a forward is a decode or verify row read through the paged KV pool, a
-llama-shaped block (no biases, head norms or post-norms; SwiGLU) runs its ~25 ops in C++
-instead of Python: about 30 such calls per token otherwise cost more time in the interpreter
-than in the kernels for a small model. The op calls the same kernels in the same order as
-Block.forward's fused path, so the rows come out the same bits either way; Block.forward is
-the reference (tests/test_kernels.py checks the two against each other).
+When every row of a forward is a decode or verify row read through the paged KV pool, a block
+on quantized weights runs its ~25-35 ops in C++ instead of Python: about 30 such calls per
+token otherwise cost more time in the interpreter than in the kernels for a small model. Every
+block shape of localrun/model/llama.py is covered (Q/K/V biases, Q/K head norms, post-norms,
+GELU-tanh, a query scale, sliding-window layers and their own pool). The op calls the same
+kernels in the same order as Block.forward's fused path, so the rows come out the same bits
+either way; Block.forward is the reference (tests/test_fused_block.py checks the two).
 """
 from __future__ import annotations
 
@@ -24,15 +25,22 @@ class FusedDecode:
                      f.w13.parts, f.w13.qtypes, f.w2.parts, f.w2.qtypes)
         self.layer, self.n_head, self.n_kv, self.neox = a.layer, a.n_head, a.n_head_kv, a.neox
         self.window = a.window or 0
+        weight = lambda norm: None if norm is None else norm.weight
+        self.options = (a.bias, weight(a.q_norm), weight(a.k_norm), weight(block.post_attention_norm),
+                        weight(block.post_ffw_norm), 0.0 if a.scale is None else a.scale * a.head_dim ** 0.5,
+                        f.activation == "gelu_tanh")
 
     @staticmethod
     def build(block) -> "FusedDecode | None":
         """The fused call for a block it can run, else None (the Python path runs)."""
         a, f = block.attention, block.feed_forward
-        plain = (a.bias is None and a.q_norm is None and a.scale is None and block.post_attention_norm is None
-                 and block.post_ffw_norm is None and f.fused and block.attention_norm.eps == block.ffn_norm.eps)
+        norms = [n for n in (block.attention_norm, block.ffn_norm, a.q_norm, a.k_norm, block.post_attention_norm,
+                             block.post_ffw_norm) if n is not None]
+        same_eps = all(n.eps == block.ffn_norm.eps and n.fused for n in norms)
+        known = f.activation in ("silu", "gelu_tanh") and (f.fused or f.activation == "gelu_tanh")
         weights = all(isinstance(w, GGUFWeight) for w in (a.wqkv, a.wo, f.w13, f.w2))
-        return FusedDecode(block) if plain and weights and block.fused and kernels.available() else None
+        usable = same_eps and known and weights and block.fused and (a.bias is None or a.bias.dtype == torch.float32)
+        return FusedDecode(block) if usable and kernels.available() else None
 
     def applies(self, x: torch.Tensor, segments, decode_rows: int, paged) -> bool:
         return (paged is not None and not segments and x.dtype == torch.float32 and x.dim() == 2
@@ -40,6 +48,9 @@ class FusedDecode:
 
     def __call__(self, x: torch.Tensor, freqs: torch.Tensor, paged) -> torch.Tensor:
         k_pool, v_pool = paged.pools(self.layer)
-        return torch.ops.localrun.decode_block(x, *self.args, freqs, k_pool, v_pool, paged.slots, paged.block_tables,
+        slots, tables = paged.slots, paged.block_tables
+        if self.window and paged.local_slots is not None:            # the local layers' own pool
+            slots, tables = paged.local_slots, paged.local_block_tables
+        return torch.ops.localrun.decode_block(x, *self.args, freqs, k_pool, v_pool, slots, tables,
                                                paged.row_seq, paged.row_len, paged.block_size, self.window,
-                                               self.n_head, self.n_kv, self.neox)
+                                               self.n_head, self.n_kv, self.neox, *self.options)

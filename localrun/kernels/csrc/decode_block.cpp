@@ -1,12 +1,14 @@
 // One transformer block for decode and verify rows, in one call (no Python between its ops):
 //   decode_block(x, attn_norm, ffn_norm, eps, wqkv, qkv_types, wo, wo_types, w13, w13_types,
 //                w2, w2_types, freqs, k_pool, v_pool, slots, block_tables, row_seq, row_len,
-//                block_size, window, n_head, n_kv, neox) -> x + attention + feed-forward
-// for a llama-shaped block (no biases, no head norms, no post-norms, SwiGLU). It calls the same
-// ops, in the same order, as the Python path of localrun/model/llama.py (Block.forward with
-// the fused kernels and paged rows), RoPE included (the same aten complex product), so a
-// row's result is the same bits through either path: a decode row does not change with
-// whether its step also carries prompt rows (which take the Python path).
+//                block_size, window, n_head, n_kv, neox, qkv_bias?, q_norm?, k_norm?,
+//                post_attn_norm?, post_ffw_norm?, q_scale, gelu) -> x + attention + feed-forward
+// for every block shape localrun/model/llama.py builds: optional Q/K/V biases (qwen2), per-head
+// Q/K norms (qwen3, gemma3), post-norms and GELU-tanh (gemma3), a query scale (q_scale > 0,
+// folded into q), a sliding window. It calls the same ops, in the same order, as the Python path
+// (Block.forward with the fused kernels and paged rows), RoPE included (the same aten complex
+// product), so a row's result is the same bits through either path: a decode row does not
+// change with whether its step also carries prompt rows (which take the Python path).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -63,19 +65,45 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, const 
                         at::TensorList w13, at::IntArrayRef w13_types, at::TensorList w2, at::IntArrayRef w2_types,
                         const at::Tensor& freqs, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
                         const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& row_len,
-                        int64_t block_size, int64_t window, int64_t n_head, int64_t n_kv, bool neox) {
+                        int64_t block_size, int64_t window, int64_t n_head, int64_t n_kv, bool neox,
+                        const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm, const std::optional<at::Tensor>& post_attn_norm,
+                        const std::optional<at::Tensor>& post_ffw_norm, double q_scale, bool gelu) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "localrun::decode_block: x must be (T, D) float32");
     TORCH_CHECK(freqs.is_complex() && freqs.dim() == 2 && freqs.size(0) == x.size(0),
                 "localrun::decode_block: freqs must be (T, hd/2) complex");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "localrun::decode_block: Q and K norms come together");
     const int64_t T = x.size(0), hd = 2 * freqs.size(1);
-    const at::Tensor qkv = qmatmul(rms_norm(x, attn_norm, eps), wqkv, qkv_types);
+    at::Tensor qkv = qmatmul(rms_norm(x, attn_norm, eps), wqkv, qkv_types);
     TORCH_CHECK(qkv.size(1) == (n_head + 2 * n_kv) * hd, "localrun::decode_block: q/k/v widths disagree with the heads");
+    if (qkv_bias) qkv = qkv + *qkv_bias;
     const at::Tensor heads = qkv.view({T, n_head + 2 * n_kv, hd});
-    const at::Tensor qk = apply_rope(heads.narrow(1, 0, n_head + n_kv), freqs, neox);
-    const at::Tensor attn = paged_attention(qk.narrow(1, 0, n_head), qk.narrow(1, n_head, n_kv), heads.narrow(1, n_head + n_kv, n_kv),
-                                            k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window);
-    auto [h, normed] = add_rms_norm(x, qmatmul(attn.reshape({T, n_head * hd}), wo, wo_types), ffn_norm, eps);
-    return h + qmatmul(silu_mul(qmatmul(normed, w13, w13_types)), w2, w2_types);
+    at::Tensor qk;
+    if (q_norm) {
+        const at::Tensor q = rms_norm(heads.narrow(1, 0, n_head).reshape({-1, hd}), *q_norm, eps).view({T, n_head, hd});
+        const at::Tensor k = rms_norm(heads.narrow(1, n_head, n_kv).reshape({-1, hd}), *k_norm, eps).view({T, n_kv, hd});
+        qk = apply_rope(at::cat({q, k}, 1), freqs, neox);
+    } else {
+        qk = apply_rope(heads.narrow(1, 0, n_head + n_kv), freqs, neox);
+    }
+    at::Tensor q = qk.narrow(1, 0, n_head);
+    if (q_scale > 0) q = q * q_scale;
+    at::Tensor attn = paged_attention(q, qk.narrow(1, n_head, n_kv), heads.narrow(1, n_head + n_kv, n_kv),
+                                      k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window);
+    attn = qmatmul(attn.reshape({T, n_head * hd}), wo, wo_types);
+    if (post_attn_norm) attn = rms_norm(attn, *post_attn_norm, eps);
+    auto [h, normed] = add_rms_norm(x, attn, ffn_norm, eps);
+    const at::Tensor gate_up = qmatmul(normed, w13, w13_types);
+    at::Tensor act;
+    if (gelu) {
+        const auto halves = gate_up.chunk(2, -1);
+        act = at::gelu(halves[0], "tanh").mul_(halves[1]);
+    } else {
+        act = silu_mul(gate_up);
+    }
+    at::Tensor ffn = qmatmul(act, w2, w2_types);
+    if (post_ffw_norm) ffn = rms_norm(ffn, *post_ffw_norm, eps);
+    return h + ffn;
 }
 
 }  // namespace
@@ -85,7 +113,8 @@ TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.def("decode_block(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, Tensor[] wqkv, int[] qkv_types, "
           "Tensor[] wo, int[] wo_types, Tensor[] w13, int[] w13_types, Tensor[] w2, int[] w2_types, Tensor freqs, "
           "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor block_tables, Tensor row_seq, Tensor row_len, "
-          "int block_size, int window, int n_head, int n_kv, bool neox) -> Tensor");
+          "int block_size, int window, int n_head, int n_kv, bool neox, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
+          "Tensor? post_attn_norm, Tensor? post_ffw_norm, float q_scale, bool gelu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
