@@ -309,7 +309,9 @@ def test_gemma_preemption_under_a_tiny_pool_keeps_every_output(gemma_model):
     """16 global blocks for four sequences of up to 34 tokens: sequences are preempted and
     recomputed (both pools given back and taken again), and every output is still the one the
     sequence gets alone; both pools end empty."""
-    engine = make_engine(gemma_model, num_blocks=16, max_model_len=64, max_num_seqs=4)
+    # admitted greedily (no output reserve, no watermark), so that the pool runs out and preempts
+    engine = make_engine(gemma_model, num_blocks=16, max_model_len=64, max_num_seqs=4, output_reserve_tokens=0,
+                         watermark=0.0)
     prompts = [ids(n, seed=50 + n) for n in (10, 14, 18, 12)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
