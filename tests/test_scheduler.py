@@ -475,3 +475,63 @@ def test_cache_aware_order_lets_no_request_be_passed_more_than_the_age_bound(req
     for seq in seqs:
         assert (seq.generated_token_ids, seq.finish_reason) == reference_generate(
             seq.prompt_token_ids, seq.sampling_params, max_model_len)
+
+
+# --- state machine: clients come, go and vanish at any point; no block ever leaks ----------------
+
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+
+class ClientsComeAndGo(RuleBasedStateMachine):
+    """add / step / abort (a client that vanishes: while queued, mid-prefill or decoding), with
+    the reserving admission and the cache-aware order with a small age bound. After every rule
+    the blocks' reference counts are exactly the running sequences' block tables; at the end,
+    with everyone gone, every block is free."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(10, 2)
+        config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=6, policy="cache_aware",
+                                 max_model_len=16, output_reserve_tokens=4, watermark=0.1, max_bypass=2)
+        self.scheduler, self.runner = Scheduler(config, self.bm, eos_token_ids=(EOS,)), FakeRunner(self.bm)
+        self.num_added = 0
+
+    @rule(prefix=st.integers(0, 8), tail=st.lists(st.integers(1, VOCAB - 1), max_size=4),
+          max_tokens=st.integers(1, 8))
+    def add(self, prefix, tail, max_tokens):
+        self.scheduler.add(Sequence(f"r{self.num_added}", BASE[:prefix] + tail or [1],
+                                    Params(max_tokens=max_tokens, ignore_eos=True)))
+        self.num_added += 1
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule()
+    def step(self):
+        step(self.scheduler, self.runner)
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(which=st.integers(0, 100), where=st.sampled_from(["waiting", "prefill", "any"]))
+    def vanish(self, which, where):
+        pool = {"waiting": self.scheduler.waiting,
+                "prefill": [s for s in self.scheduler.running if s.is_prefill],
+                "any": list(self.scheduler.requests.values())}[where]
+        if pool:
+            seq = pool[which % len(pool)]
+            assert self.scheduler.abort(seq.request_id) is seq and seq.finish_reason == "abort"
+
+    @invariant()
+    def blocks_are_held_exactly_by_the_running(self):
+        holders = [0] * self.bm.num_blocks
+        for seq in self.scheduler.running:
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+        assert [b.ref_count for b in self.bm.blocks] == holders
+        assert all(not s.block_table for s in self.scheduler.waiting)
+
+    def teardown(self):
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.abort(request_id)
+        assert self.bm.num_used_blocks == 0
+
+
+ClientsComeAndGo.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+test_clients_that_vanish_free_everything_they_held = ClientsComeAndGo.TestCase
