@@ -102,6 +102,9 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
           alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients use (default: the name given)."),
           strict_model_name: bool = typer.Option(False, "--strict-model-name", help="Answer 404 to requests naming "
                                                  "another model (default: serve the one model under any name)."),
+          itl_target_ms: float = typer.Option(0.0, "--itl-target-ms", help="Hold each step that carries "
+                                              "decodes to this many ms, prompt chunks sized from measured step "
+                                              "times (default 0: off, fixed --max-batched-tokens chunks)."),
           max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue", help="Requests waiting for their first step past "
                                         "which new ones get 503 with Retry-After (at least 1)."),
           max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes (also "
@@ -123,6 +126,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
 
     if not 0 < port < 65536:
         raise UserError(f"--port must be between 1 and 65535, got {port}")
+    if itl_target_ms < 0:
+        raise UserError(f"--itl-target-ms must be positive (or 0 for off), got {itl_target_ms}")
     if max_queue < 1:
         raise UserError(f"--max-queue must be at least 1, got {max_queue}")
     if log_level not in ("debug", "info", "warning", "error"):
@@ -147,6 +152,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
                   disk_cache=not no_disk_cache, cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram,
                   n_gpu_layers=gpu_layers, num_speculative_tokens=draft_max, **_speculative(draft_model, spec))
         llm.engine    # build the KV pool now, not on the first request
+        if itl_target_ms:
+            llm.engine.set_itl_target(itl_target_ms / 1000)
     from localrun.models import DEFAULT_MODEL
     given = model or DEFAULT_MODEL
     name = alias or (given if not given.endswith(".gguf") else llm.model_path.stem)

@@ -261,6 +261,25 @@ def test_admission_that_reserves_queues_instead_of_preempting(model):
     assert engine.stats()["num_blocks_used"] == 0
 
 
+def test_an_itl_target_keeps_every_output_and_records_its_plans(model):
+    """Under a 1 µs target (below any real step) prompts go one block at a time next to
+    the decodes; outputs are still each request's alone, every planned step is a miss, and the
+    planned and actual times are recorded."""
+    engine = make_engine(model, max_num_seqs=4, max_num_batched_tokens=64)
+    engine.set_itl_target(1e-6)
+    prompts = [random_ids(n, seed=70 + n) for n in (5, 40, 33)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    seqs = run_all(engine, prompts, [params] * 3)
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.generated_token_ids == solo(model, prompt, params), seq.request_id
+    stats = engine.stats()
+    assert stats["itl_target_ms"] == pytest.approx(0.001) and stats["itl_planned_steps"] > 0
+    assert stats["itl_target_misses"] == stats["itl_planned_steps"]
+    assert stats["step_planned_s"] > 0 and stats["step_actual_s"] > 0
+    engine.set_itl_target(None)
+    assert engine.stats()["itl_target_ms"] == 0.0 and engine.scheduler.step_token_budget() == 64
+
+
 def test_abort_frees_all_blocks(model):
     engine = make_engine(model, max_num_seqs=2, max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True)

@@ -535,3 +535,29 @@ class ClientsComeAndGo(RuleBasedStateMachine):
 
 ClientsComeAndGo.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 test_clients_that_vanish_free_everything_they_held = ClientsComeAndGo.TestCase
+
+
+def test_an_itl_target_sizes_the_prefill_chunk_from_the_step_cost():
+    """Step cost 10 ms + 1 ms per token, a 50 ms target: 40 tokens fit. With two decodes
+    running, a long prompt gets 38 tokens a step; with none, the whole budget of 64. The plan
+    is on the batch: cost(40) = 50 ms."""
+    cost = lambda n: 0.010 + 0.001 * n   # noqa: E731
+    bm = BlockManager(64, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, itl_target_s=0.050), bm,
+                          eos_token_ids=(EOS,), step_cost=cost)
+    runner = FakeRunner(bm)
+    long_prompt = [5, 6, 7, 8] * 25
+    scheduler.add(Sequence("long", long_prompt, Params(max_tokens=2, ignore_eos=True)))
+    batch, _ = step(scheduler, runner)
+    assert shape(batch) == [("long", 0, 64)]           # no decodes: the whole budget
+    for name in "ab":
+        scheduler.add(Sequence(name, [1, 2, 3], Params(max_tokens=20, ignore_eos=True)))
+    batch, _ = step(scheduler, runner)                 # "long" ends its prompt; a, b are admitted
+    assert shape(batch) == [("long", 64, 36), ("a", 0, 3), ("b", 0, 3)]
+    scheduler.abort("long")
+    scheduler.add(Sequence("next", [9, 10, 11, 12] * 20, Params(max_tokens=2, ignore_eos=True)))
+    batch, _ = step(scheduler, runner)
+    assert shape(batch) == [("a", 3, 1), ("b", 3, 1), ("next", 0, 38)]
+    assert batch.planned_s == pytest.approx(0.050)
+    with pytest.raises(UserError, match="positive"):
+        SchedulerConfig(itl_target_s=0.0)

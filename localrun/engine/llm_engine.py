@@ -26,7 +26,8 @@ from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_typ
 from localrun.engine.ram_cache import HostKVCache, default_ram_bytes
 from localrun.engine.scheduler import Scheduler, SchedulerConfig
 from localrun.engine.sequence import Sequence, SequenceStatus
-from localrun.engine.speculative import SpeculativeConfig, make_speculator
+from localrun.engine.spec_control import StepCostModel
+from localrun.engine.speculative import SpeculativeConfig, make_speculator, measure_forward_seconds
 from localrun.errors import UserError
 from localrun.model.llama import Transformer
 from localrun.sampling import InvalidSamplingParam, SamplerState, SamplingParams, TokenLogprob
@@ -142,6 +143,9 @@ class LLMEngine:
         self.kv_type = kv_type
         self.clock = clock
         self._finished_at_add: list[Sequence] = []   # max_tokens=0: reported by the next step
+        self.step_cost: StepCostModel | None = None     # measured step times, under an ITL target
+        self.itl_stats = {"itl_planned_steps": 0, "itl_target_misses": 0, "step_planned_s": 0.0,
+                          "step_actual_s": 0.0}
 
     def _num_blocks(self, num_blocks, kv_budget_bytes, block_size, max_num_seqs, devices,
                     bytes_per_layer_token) -> int:
@@ -161,6 +165,17 @@ class LLMEngine:
                             f"context length {self.max_model_len}; give the KV cache more memory or "
                             f"lower the context.")
         return num_blocks
+
+    def set_itl_target(self, seconds: float | None) -> None:
+        """Hold steps that carry decodes to `seconds` (None: off), composed from measured step
+        times: the decodes, then the prompt tokens that fit (scheduler.py). Each such step's
+        planned and actual time is recorded; a step slower than the target is a miss."""
+        config = dataclasses.replace(self.scheduler.config, itl_target_s=seconds)
+        if seconds is not None and self.step_cost is None:
+            model = self.model
+            self.step_cost = StepCostModel(lambda n: measure_forward_seconds(model, n))
+        self.scheduler.config = config
+        self.scheduler.step_cost = self.step_cost.cost if seconds is not None else None
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -228,6 +243,13 @@ class LLMEngine:
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
         execute_s = time.perf_counter() - start
+        if self.step_cost is not None:
+            self.step_cost.observe(batch.num_batched_tokens, execute_s)
+        if batch.planned_s is not None:
+            self.itl_stats["itl_planned_steps"] += 1
+            self.itl_stats["itl_target_misses"] += execute_s > self.scheduler.config.itl_target_s
+            self.itl_stats["step_planned_s"] += batch.planned_s
+            self.itl_stats["step_actual_s"] += execute_s
         errors = self._finish_failed(batch, sampled)
         finished = self.scheduler.postprocess(batch, sampled)
         if self.speculator is not None:
@@ -323,6 +345,8 @@ class LLMEngine:
                 "disk_cache_load_s": self.disk_cache.stats.load_s} if self.disk_cache is not None else {}),
             "num_preemptions": sched.num_preemptions,
             "num_admissions_deferred": sched.num_admissions_deferred,
+            "itl_target_ms": (self.scheduler.config.itl_target_s or 0.0) * 1000,
+            **self.itl_stats,
             "num_steps": sched.num_steps,
             "num_prefill_tokens": sched.num_prefill_tokens,
             "num_decode_tokens": sched.num_decode_tokens,

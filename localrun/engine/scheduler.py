@@ -23,6 +23,12 @@ instead of being admitted and preempted a few steps later; preemption remains th
 resort for sequences that outgrow their reserve. With nothing running, a request that fits
 at all is admitted, so the queue always moves.
 
+Inter-token latency target (`itl_target_s`, with a measured `step_cost(num_tokens) -> seconds`):
+a step that carries decodes takes only as many tokens as the cost model says fit in the
+target: the decodes first (always, even past it), then prompt tokens up to it (at least
+one block, so prompts never starve): chunk sizes follow the load instead of a fixed budget. A step with no decodes may use the whole budget.
+The plan's predicted time of a step with decodes rides on the Batch (`planned_s`) for the engine to compare.
+
 Speculative decoding: a decoding sequence may carry draft tokens (`seq.draft_token_ids`, set
 by the speculator before the step). Its entry then computes the last token plus the drafts,
 and the runner samples at every one of those rows. Drafts are optional work: they take only
@@ -59,6 +65,7 @@ class SchedulerConfig:
     output_reserve_tokens: int = 0         # admission reserves blocks for this many output tokens per sequence
     watermark: float = 0.0                 # and keeps this fraction of all blocks free (0.0: admit greedily)
     max_bypass: int = 16                   # later arrivals admitted ahead of a waiting sequence, at most
+    itl_target_s: float | None = None      # a step with decodes fits this time (needs a step_cost)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -66,6 +73,8 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UserError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                             f"least max_num_seqs ({self.max_num_seqs}), so every decode fits a step.")
+        if self.itl_target_s is not None and not self.itl_target_s > 0:
+            raise UserError(f"the inter-token latency target must be positive, got {self.itl_target_s} s.")
         if self.max_bypass < 0:
             raise UserError(f"max_bypass must be at least 0, got {self.max_bypass}.")
         if self.output_reserve_tokens < 0:
@@ -113,6 +122,7 @@ class Batch:
     entries: list[BatchEntry]
     block_size: int
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV this step
+    planned_s: float | None = None     # the step's predicted time under an ITL target
 
     @property
     def num_batched_tokens(self) -> int:
@@ -170,7 +180,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  eos_token_ids: tuple[int, ...] = (),
                  check_stop: Callable[[Sequence], str | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 step_cost: Callable[[int], float] | None = None):
         capacity = block_manager.num_blocks * block_manager.block_size
         self.max_model_len = config.max_model_len or capacity
         if self.max_model_len > capacity:
@@ -185,6 +196,7 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.check_stop = check_stop    # extra stop test after each token, e.g. stop strings
         self.clock = clock
+        self.step_cost = step_cost     # seconds of a step over n tokens (measured), for itl_target_s
         self.waiting: list[Sequence] = []    # by arrival_index
         self.running: list[Sequence] = []    # by arrival_index
         self.requests: dict[str, Sequence] = {}
@@ -230,8 +242,24 @@ class Scheduler:
         return seq
 
     # --- one step -------------------------------------------------------------------
+    def step_token_budget(self) -> int:
+        """Tokens this step may carry: the whole budget, or under an ITL target with decodes
+        running, the most tokens whose predicted step time fits it."""
+        limit = self.config.max_num_batched_tokens
+        target, cost = self.config.itl_target_s, self.step_cost
+        num_decodes = sum(1 for s in self.running if not s.is_prefill)
+        if target is None or cost is None or num_decodes == 0 or cost(limit) <= target:
+            return limit
+        # cost(hi) > target: find the largest size that fits, but never fewer than the decodes
+        # plus one block of prompt, so a prompt moves on however slow the step
+        lo, hi = min(num_decodes + self.block_manager.block_size, limit), limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if cost(mid) <= target else (lo, mid)
+        return lo
+
     def schedule(self) -> Batch:
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_token_budget()
         entries: list[BatchEntry] = []
         preempted: list[Sequence] = []
         scheduled: set[int] = set()   # arrival_index of the sequences in this batch
@@ -265,7 +293,11 @@ class Scheduler:
             else:
                 self.stats.num_decode_tokens += e.num_new_tokens
         assert sum(e.num_new_tokens for e in entries) <= self.config.max_num_batched_tokens
-        return Batch(entries, self.block_manager.block_size, preempted)
+        batch = Batch(entries, self.block_manager.block_size, preempted)
+        if (self.config.itl_target_s is not None and self.step_cost is not None
+                and any(not e.is_prefill for e in entries)):      # the target holds steps with decodes
+            batch.planned_s = self.step_cost(batch.num_batched_tokens)
+        return batch
 
     def _num_usable_drafts(self, seq: Sequence, num_drafts: int, draft_budget: int) -> int:
         """How many of a decode's drafts fit: the spare budget, the free blocks (drafts never

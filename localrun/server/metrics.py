@@ -34,6 +34,12 @@ ENGINE_METRICS = (
      "Prompt tokens found in the prefix cache."),
     ("prefix_cache_queries", "localrun_prefix_cache_lookups", "counter", "Prefix-cache lookups (requests)."),
     ("num_preemptions", "localrun_num_preemptions", "counter", "Sequences preempted to free KV blocks."),
+    ("itl_target_misses", "localrun_itl_target_misses", "counter",
+     "Steps with decodes that took longer than --itl-target-ms."),
+    ("itl_planned_steps", "localrun_itl_planned_steps", "counter", "Steps composed to fit --itl-target-ms."),
+    ("step_planned_s", "localrun_itl_step_planned_seconds", "counter",
+     "Predicted time of those steps, summed (compare with localrun_itl_step_actual_seconds)."),
+    ("step_actual_s", "localrun_itl_step_actual_seconds", "counter", "Measured time of those steps, summed."),
     ("num_admissions_deferred", "localrun_num_admissions_deferred", "counter",
      "Steps in which a waiting request that fit was held back to keep KV blocks in reserve."),
 )
