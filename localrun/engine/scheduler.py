@@ -355,14 +355,16 @@ class Scheduler:
         num_watermark = int(self.config.watermark * block_manager.num_blocks)
         num_committed = sum(self._num_reserved_blocks(s) for s in self.running) if reserving else 0
         max_bypass = self.config.max_bypass
-        candidates = list(self.waiting)
+        order = list(self.waiting)
         if self.config.policy == "cache_aware":
-            candidates.sort(key=lambda s: (-block_manager.num_cached_prefix_tokens(s), s.arrival_index))
-        overdue = [s for s in self.waiting if s.num_bypassed >= max_bypass]    # by arrival
-        if overdue:
-            candidates = overdue + [s for s in candidates if s.num_bypassed < max_bypass]
-        for seq in candidates:
-            if len(self.running) >= self.config.max_num_seqs or budget == 0:
+            order.sort(key=lambda s: (-block_manager.num_cached_prefix_tokens(s), s.arrival_index))
+        rest = iter(order)
+        while len(self.running) < self.config.max_num_seqs and budget > 0:
+            # an overdue sequence (passed max_bypass times) first, the oldest of them; else the
+            # policy's next. Re-chosen after every admission: one may have just become overdue.
+            seq = next((s for s in self.waiting if s.num_bypassed >= max_bypass), None) or next(
+                (s for s in rest if s.status is not SequenceStatus.RUNNING), None)
+            if seq is None:
                 break
             num_cached = block_manager.num_cached_prefix_tokens(seq)
             if seq.num_bypassed < max_bypass and self._prefix_in_flight(seq, num_cached):
