@@ -8,7 +8,8 @@ a fresh engine over the same loaded model (cold prefix cache), differing only in
   greedy:        admit whatever fits now (no output reserve, no watermark), FCFS;
   reserve:       the engine's default admission (prompt + 64 output tokens, 1% watermark), FCFS;
   reserve16:     the same with 16 output tokens reserved;
-  +cache:        the cache-aware order (longest cached prefix first, age bound) instead of FCFS.
+  +cache:        the cache-aware order (longest cached prefix first, age bound) instead of FCFS;
+  +itlN:         --itl-target-ms N: steps with decodes sized from measured step times.
 
 Prints a table, then one JSON object as the last line: each row's TTFT p50/p99, ITL p99, wall
 time, output throughput, preemptions and deferred admissions, and how many of its outputs
@@ -40,7 +41,9 @@ ROWS = {"greedy": {**GREEDY, "policy": "fcfs"},
         "reserve": {"policy": "fcfs"},
         "reserve+cache": {"policy": "cache_aware"},
         "reserve16": {"output_reserve_tokens": 16, "policy": "fcfs"},
-        "reserve16+cache": {"output_reserve_tokens": 16, "policy": "cache_aware"}}
+        "reserve16+cache": {"output_reserve_tokens": 16, "policy": "cache_aware"},
+        "reserve+itl50": {"policy": "fcfs", "itl_target_s": 0.050},
+        "reserve+itl100": {"policy": "fcfs", "itl_target_s": 0.100}}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -49,10 +52,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(llm, prompts: list[list[int]], output_tokens: int, args, options: dict) -> tuple[dict, list]:
+    options = dict(options)
+    itl_target_s = options.pop("itl_target_s", None)
     engine = LLMEngine(llm.model, tokenizer_eog_ids=tuple(llm.tokenizer.eog_ids), max_model_len=args.ctx,
                        kv_type=llm.kv_type, max_num_seqs=len(prompts), clock=time.perf_counter,
                        max_num_batched_tokens=args.chunk_tokens, kv_budget_bytes=parse_bytes(args.kv_budget),
                        **options)
+    engine.set_itl_target(itl_target_s)
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     seqs = [engine.add_request(f"r{i}", p, params, arrival_time=start) for i, p in enumerate(prompts)]
@@ -71,7 +77,8 @@ def run(llm, prompts: list[list[int]], output_tokens: int, args, options: dict) 
            "itl_p99_s": percentile(itl, 0.99), "wall_s": wall,
            "output_tok_s": sum(s.num_generated_tokens for s in seqs) / wall,
            "preemptions": stats["num_preemptions"], "admissions_deferred": stats["num_admissions_deferred"],
-           "num_blocks": stats["num_blocks_total"]}
+           "num_blocks": stats["num_blocks_total"], "itl_target_misses": stats["itl_target_misses"],
+           "itl_planned_steps": stats["itl_planned_steps"]}
     return row, [s.generated_token_ids for s in seqs]
 
 
