@@ -233,18 +233,25 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const float scale = 1.0f / std::sqrt((float)hd);
     const int64_t group = H / n_kv;
     const RowKernel attend = row_kernel();
-    at::parallel_for(0, T * n_kv, 1, [&](int64_t i0, int64_t i1) {     // (row, KV head) pairs
+    // Tasks: (row, KV head, slice of its query heads). The heads of a KV head stay in one task
+    // unless there are too few tasks for the threads (one decode row of a model with one or two
+    // KV heads): then they are split, each slice reading the keys and values on its own.
+    const int64_t want = 2 * at::get_num_threads(), pairs = T * n_kv;
+    const int64_t slices = std::min<int64_t>(group, std::max<int64_t>(1, (want + pairs - 1) / pairs));
+    const int64_t per = (group + slices - 1) / slices;
+    at::parallel_for(0, pairs * slices, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> scratch;
         for (int64_t i = i0; i < i1; i++) {
-            const int64_t t = i / n_kv, g = i % n_kv, L = lenp[t];
+            const int64_t t = i / (n_kv * slices), g = i / slices % n_kv, h0 = g * group + i % slices * per;
+            const int64_t heads = std::min(per, (g + 1) * group - h0), L = lenp[t];
+            if (heads <= 0) continue;
             const int64_t first = window > 0 && L > window ? L - window : 0;   // first position attended
             const int64_t* table = tp + seqp[t] * max_blocks;
             for (int64_t b = first / block_size; b <= (L - 1) / block_size; b++)
                 TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
                             "localrun::paged_attention: block table entry out of range");
-            scratch.resize(group * (L - first + 8 + hd));
-            const int64_t h0 = g * group;
-            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, table, block_size, n_kv, g, hd, first, L, group, scale,
+            scratch.resize(heads * (L - first + 8 + hd));
+            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, table, block_size, n_kv, g, hd, first, L, heads, scale,
                                scratch.data(), op + (t * H + h0) * hd};
             attend(args);
         }
