@@ -273,7 +273,11 @@ class LLM:
         return GrammarCompiler(self.tokenizer, self.tokenizer.eog_ids)
 
     def constraint(self, json_schema=None, grammar: str | None = None):
-        """The compiled constraint for generate's json_schema= (dict or JSON text) or grammar=."""
+        """The compiled constraint for generate's json_schema= (dict or JSON text) or grammar=.
+        Without either, None, and the compiler (a walk over the vocabulary: 1.6 s for gemma-3's
+        262k tokens) is not built."""
+        if json_schema is None and grammar is None:
+            return None
         return self.grammar_compiler.from_options(json_schema, grammar)
 
     def fit_chat(self, messages: list[dict], max_tokens: int | None = None, *,
