@@ -238,7 +238,7 @@ def test_paged_attention_equals_float64_reference(hd, n_kv, group):
 
 
 def test_small_ops_equal_float64_reference():
-    """silu_mul (vector exp), rms_norm and add_rms_norm against float64, with a tail under 8
+    """silu_mul and gelu_mul (vector exp), rms_norm and add_rms_norm against float64, with a tail under 8
     values and gate values far in both tails of the sigmoid."""
     rng = np.random.default_rng(11)
     for F_, D in ((1536, 576), (13, 21)):
@@ -248,6 +248,9 @@ def test_small_ops_equal_float64_reference():
         exact = g / (1 + np.exp(-g)) * u
         got = torch.ops.localrun.silu_mul(torch.from_numpy(gu)).numpy()
         np.testing.assert_allclose(got, exact, rtol=2e-6, atol=1e-30)
+        gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u
+        got = torch.ops.localrun.gelu_mul(torch.from_numpy(gu)).numpy()
+        np.testing.assert_allclose(got, gelu, rtol=1e-5, atol=1e-6 * np.abs(gelu).max())
         x, r = rng.standard_normal((2, 3, D)).astype(np.float32)
         w = rng.standard_normal(D).astype(np.float32)
         def norm(h):

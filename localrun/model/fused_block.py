@@ -37,7 +37,7 @@ class FusedDecode:
         norms = [n for n in (block.attention_norm, block.ffn_norm, a.q_norm, a.k_norm, block.post_attention_norm,
                              block.post_ffw_norm) if n is not None]
         same_eps = all(n.eps == block.ffn_norm.eps and n.fused for n in norms)
-        known = f.activation in ("silu", "gelu_tanh") and (f.fused or f.activation == "gelu_tanh")
+        known = f.activation in ("silu", "gelu_tanh") and f.fused
         weights = all(isinstance(w, GGUFWeight) for w in (a.wqkv, a.wo, f.w13, f.w2))
         usable = same_eps and known and weights and block.fused and (a.bias is None or a.bias.dtype == torch.float32)
         return FusedDecode(block) if usable and kernels.available() else None

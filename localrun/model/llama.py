@@ -201,12 +201,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2        # (2*F, D) gate then up, (D, F)
         self.activation = activation       # "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
-        self.fused = fused and activation == "silu"
+        self.fused = fused                 # localrun::silu_mul / gelu_mul
 
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         gate_up = self.w13(x, decode_rows)                                   # (T, 2F)
         if self.fused and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
-            return self.w2(torch.ops.localrun.silu_mul(gate_up), decode_rows)
+            act = torch.ops.localrun.gelu_mul if self.activation == "gelu_tanh" else torch.ops.localrun.silu_mul
+            return self.w2(act(gate_up), decode_rows)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation == "gelu_tanh":
             return self.w2(F.gelu(gate, approximate="tanh").mul_(up), decode_rows)

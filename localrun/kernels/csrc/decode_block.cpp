@@ -41,6 +41,12 @@ at::Tensor silu_mul(const at::Tensor& gu) {
     return op.call(gu);
 }
 
+at::Tensor gelu_mul(const at::Tensor& gu) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::gelu_mul", "")
+        .typed<at::Tensor(const at::Tensor&)>();
+    return op.call(gu);
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& tables,
                            const at::Tensor& row_seq, const at::Tensor& row_len, int64_t block_size, int64_t window) {
@@ -94,13 +100,7 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, const 
     if (post_attn_norm) attn = rms_norm(attn, *post_attn_norm, eps);
     auto [h, normed] = add_rms_norm(x, attn, ffn_norm, eps);
     const at::Tensor gate_up = qmatmul(normed, w13, w13_types);
-    at::Tensor act;
-    if (gelu) {
-        const auto halves = gate_up.chunk(2, -1);
-        act = at::gelu(halves[0], "tanh").mul_(halves[1]);
-    } else {
-        act = silu_mul(gate_up);
-    }
+    const at::Tensor act = gelu ? gelu_mul(gate_up) : silu_mul(gate_up);
     at::Tensor ffn = qmatmul(act, w2, w2_types);
     if (post_ffw_norm) ffn = rms_norm(ffn, *post_ffw_norm, eps);
     return h + ffn;
