@@ -72,7 +72,8 @@ class LLM:
                  speculative_adaptive: bool = True, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, kv_budget_bytes: int | None = None,
                  n_gpu_layers: int | str | None = "auto", quantized: bool | None = None,
-                 verbose: bool = False):
+                 scheduling: str = "fcfs", output_reserve_tokens: int | None = None,
+                 kv_watermark: float | None = None, verbose: bool = False):
         """speculative="ngram" drafts by prompt lookup; a .gguf path or catalog name (with the
         same vocabulary) is a draft model, "self:N" the model's own first N layers. Output is
         unchanged (exact at temperature 0, the same distribution otherwise); up to
@@ -87,6 +88,11 @@ class LLM:
         context_shift=True lets a raw prompt too long for n_ctx (with max_tokens, capped at half
         the context) lose its oldest tokens after the first n_keep, instead of raising.
         n_gpu_layers: 'auto' (layerplan chooses; all-CPU without a GPU) or llama.cpp's -ngl count.
+        scheduling: the order waiting requests are admitted in, "fcfs" or "cache_aware" (the
+        longest cached prefix first, no request passed over more than 16 times).
+        output_reserve_tokens, kv_watermark: admission holds KV blocks for a request's prompt plus
+        this many output tokens, and keeps this fraction of the pool free (defaults 64 and 0.01;
+        0 and 0.0 admit greedily, and preempt when the pool runs out).
         quantized: keep Q4_0/Q4_1/Q4_K (int4) and Q8_0 (int8) weights quantized for torch's
         weight-only kernels; None = yes, unless dtype="float32" is asked for explicitly or
         LOCALRUN_REFERENCE=1 (the dequantized reference path, see localrun/executor.py)."""
@@ -101,6 +107,12 @@ class LLM:
         if self.n_ctx < 2:
             raise UserError(f"n_ctx must be at least 2, got {self.n_ctx}")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or default_dtype())
+        from localrun.engine.llm_engine import DEFAULT_OUTPUT_RESERVE_TOKENS, DEFAULT_WATERMARK
+        from localrun.engine.scheduler import SchedulerConfig
+        self.admission = SchedulerConfig(
+            policy=scheduling, watermark=DEFAULT_WATERMARK if kv_watermark is None else kv_watermark,
+            output_reserve_tokens=DEFAULT_OUTPUT_RESERVE_TOKENS if output_reserve_tokens is None
+            else output_reserve_tokens)                     # checked now: before the model loads
         t0 = time.perf_counter()
         self.quantized = use_quantized(quantized, dtype)
         self.model = build_model(self.file, n_ctx=self.n_ctx, dtype=self.dtype, quantized=self.quantized,
@@ -314,7 +326,9 @@ class LLM:
                                      kv_budget_bytes=self.kv_budget_bytes,
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      disk_cache=self.disk_cache_config, ram_cache_bytes=self.cache_ram,
-                                     speculative=self.speculative, draft_model=self.draft_model)
+                                     speculative=self.speculative, draft_model=self.draft_model,
+                                     policy=self.admission.policy, watermark=self.admission.watermark,
+                                     output_reserve_tokens=self.admission.output_reserve_tokens)
         return self._engine
 
     def _params(self, kwargs) -> SamplingParams:

@@ -107,6 +107,10 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
                                               "times (default 0: off, fixed --max-batched-tokens chunks)."),
           max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue", help="Requests waiting for their first step past "
                                         "which new ones get 503 with Retry-After (at least 1)."),
+          schedule: str = typer.Option("fcfs", "--schedule", help="Admission order: fcfs, or cache_aware (longest "
+                                       "cached prefix first, none passed over more than 16 times)."),
+          output_reserve: int = typer.Option(64, "--output-reserve", help="Output tokens of KV a request must find "
+                                             "room for to be admitted (0: admit greedily and preempt when full)."),
           max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes (also "
                                        "bounded by what the context can hold)."),
           allow_origin: Optional[List[str]] = typer.Option(None, "--allow-origin", help="A web origin allowed to "
@@ -150,7 +154,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
                   enable_prefix_caching=not no_prefix_cache, max_num_batched_tokens=max_batched_tokens,
                   enable_chunked_prefill=not no_chunked_prefill, kv_budget_bytes=_bytes(kv_budget, "--kv-budget"),
                   disk_cache=not no_disk_cache, cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram,
-                  n_gpu_layers=gpu_layers, num_speculative_tokens=draft_max, **_speculative(draft_model, spec))
+                  n_gpu_layers=gpu_layers, num_speculative_tokens=draft_max, scheduling=schedule,
+                  output_reserve_tokens=output_reserve, **_speculative(draft_model, spec))
         llm.engine    # build the KV pool now, not on the first request
         if itl_target_ms:
             llm.engine.set_itl_target(itl_target_ms / 1000)
