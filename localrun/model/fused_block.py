@@ -19,7 +19,6 @@ from localrun.model.gguf_weight import GGUFWeight
 class FusedDecode:
     def __init__(self, block):
         a, f = block.attention, block.feed_forward
-        self.block = block
         self.args = (block.attention_norm.weight, block.ffn_norm.weight, block.ffn_norm.eps,
                      a.wqkv.parts, a.wqkv.qtypes, a.wo.parts, a.wo.qtypes,
                      f.w13.parts, f.w13.qtypes, f.w2.parts, f.w2.qtypes)

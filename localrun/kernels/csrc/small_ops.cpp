@@ -62,46 +62,41 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     return {h, out};
 }
 
-// silu(g) * u = g / (1 + e^-g) * u over one row, 8 at a time with the vector exp (vec8.h),
-// compiled for AVX2 and for the baseline.
-ALWAYS_INLINE void silu_mul_row_any(const float* g, const float* u, int64_t F, float* out) {
-    int64_t i = 0;
-    for (; i + 8 <= F; i += 8) {
-        const v8 gv = load8(g + i);
-        store8(out + i, gv / (splat8(1.f) + exp8(-gv)) * load8(u + i));
-    }
-    for (; i < F; i++) {
-        float gt[8] = {-g[i]}, e[8];
-        store8(e, exp8(load8(gt)));
-        out[i] = g[i] / (1.f + e[0]) * u[i];
-    }
-}
-__attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const float* g, const float* u, int64_t F, float* out) {
-    silu_mul_row_any(g, u, F, out);
-}
-void silu_mul_row_base(const float* g, const float* u, int64_t F, float* out) { silu_mul_row_any(g, u, F, out); }
-
-// gelu_tanh(g) * u = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u, tanh(z) = 1 - 2 / (e^2z + 1)
-ALWAYS_INLINE void gelu_mul_row_any(const float* g, const float* u, int64_t F, float* out) {
-    const auto one = [](v8 gv) {
-        const v8 z = splat8(0.7978845608028654f) * (gv + splat8(0.044715f) * gv * gv * gv);
+// The gated activations, 8 values at a time with the vector exp (vec8.h):
+//   silu(g) = g / (1 + e^-g)
+//   gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+struct Silu {
+    static ALWAYS_INLINE v8 apply(v8 g) { return g / (splat8(1.f) + exp8(-g)); }
+};
+struct GeluTanh {
+    static ALWAYS_INLINE v8 apply(v8 g) {
+        const v8 z = splat8(0.7978845608028654f) * (g + splat8(0.044715f) * g * g * g);
         const v8 t = splat8(1.f) - splat8(2.f) / (exp8(splat8(2.f) * z) + splat8(1.f));
-        return splat8(0.5f) * gv * (splat8(1.f) + t);
-    };
+        return splat8(0.5f) * g * (splat8(1.f) + t);
+    }
+};
+
+// act(g) * u over one row (the tail through the same vector code, one lane used)
+template <class Act>
+ALWAYS_INLINE void act_mul_row(const float* g, const float* u, int64_t F, float* out) {
     int64_t i = 0;
-    for (; i + 8 <= F; i += 8) store8(out + i, one(load8(g + i)) * load8(u + i));
+    for (; i + 8 <= F; i += 8) store8(out + i, Act::apply(load8(g + i)) * load8(u + i));
     for (; i < F; i++) {
         float gt[8] = {g[i]}, r[8];
-        store8(r, one(load8(gt)));
+        store8(r, Act::apply(load8(gt)));
         out[i] = r[0] * u[i];
     }
 }
-__attribute__((target("avx2,fma"))) void gelu_mul_row_avx2(const float* g, const float* u, int64_t F, float* out) {
-    gelu_mul_row_any(g, u, F, out);
-}
-void gelu_mul_row_base(const float* g, const float* u, int64_t F, float* out) { gelu_mul_row_any(g, u, F, out); }
 
-bool use_avx2_rows() {
+// Each row function compiled for AVX2 + FMA and for the baseline; LOCALRUN_ISA=ref forces the baseline.
+template <class Act>
+__attribute__((target("avx2,fma"))) void act_mul_row_avx2(const float* g, const float* u, int64_t F, float* out) {
+    act_mul_row<Act>(g, u, F, out);
+}
+template <class Act>
+void act_mul_row_base(const float* g, const float* u, int64_t F, float* out) { act_mul_row<Act>(g, u, F, out); }
+
+bool use_avx2() {
     static const bool avx2 = [] {
         const char* env = std::getenv("LOCALRUN_ISA");
         __builtin_cpu_init();
@@ -110,45 +105,25 @@ bool use_avx2_rows() {
     return avx2;
 }
 
-at::Tensor gelu_mul(const at::Tensor& gu_in) {
+// gu (T, 2F) = [gate | up] -> act(gate) * up (T, F)
+template <class Act>
+at::Tensor act_mul(const at::Tensor& gu_in, const char* name) {
     const at::Tensor gu = gu_in.contiguous();
-    check_rows(gu, "gelu_mul");
+    check_rows(gu, name);
     const int64_t T = gu.size(0), F = gu.size(1) / 2;
-    TORCH_CHECK(gu.size(1) == 2 * F, "localrun::gelu_mul: the width must be even");
+    TORCH_CHECK(gu.size(1) == 2 * F, "localrun::", name, ": the width must be even");
     at::Tensor out = at::empty({T, F}, gu.options());
     const float* gp = gu.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const bool avx2 = use_avx2_rows();
+    const auto row = use_avx2() ? &act_mul_row_avx2<Act> : &act_mul_row_base<Act>;
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) {
-            const float *g = gp + t * 2 * F, *u = g + F;
-            if (avx2) gelu_mul_row_avx2(g, u, F, op + t * F); else gelu_mul_row_base(g, u, F, op + t * F);
-        }
+        for (int64_t t = t0; t < t1; t++) row(gp + t * 2 * F, gp + t * 2 * F + F, F, op + t * F);
     });
     return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gu_in) {
-    const at::Tensor gu = gu_in.contiguous();
-    check_rows(gu, "silu_mul");
-    const int64_t T = gu.size(0), F = gu.size(1) / 2;
-    TORCH_CHECK(gu.size(1) == 2 * F, "localrun::silu_mul: the width must be even");
-    at::Tensor out = at::empty({T, F}, gu.options());
-    const float* gp = gu.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    static const bool avx2 = [] {
-        const char* env = std::getenv("LOCALRUN_ISA");
-        __builtin_cpu_init();
-        return !(env && std::string(env) == "ref") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }();
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) {
-            const float *g = gp + t * 2 * F, *u = g + F;
-            if (avx2) silu_mul_row_avx2(g, u, F, op + t * F); else silu_mul_row_base(g, u, F, op + t * F);
-        }
-    });
-    return out;
-}
+at::Tensor silu_mul(const at::Tensor& gu) { return act_mul<Silu>(gu, "silu_mul"); }
+at::Tensor gelu_mul(const at::Tensor& gu) { return act_mul<GeluTanh>(gu, "gelu_mul"); }
 
 }  // namespace
 }  // namespace localrun
