@@ -22,7 +22,7 @@ from pathlib import Path
 
 from localrun.errors import UserError
 
-CATALOG_PATH = Path(__file__).resolve().parent.parent / "models" / "catalog.json"
+CATALOG_PATH = Path(__file__).resolve().parent / "catalog.json"     # package data (docs/catalog.md)
 DEFAULT_MODEL = "smollm2-135m"
 CHUNK = 1 << 20
 
