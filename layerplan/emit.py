@@ -16,7 +16,11 @@ def llama_cpp_flags(plan: Plan) -> list[str]:
     """llama.cpp's flags for this plan (llama-server / llama-cli). Its -c is the total over all
     sequences, so it is n_ctx x n_parallel."""
     s, kv = plan.settings, plan.settings.kv
-    flags = ["-ngl", str(plan.n_gpu_layers), "-c", str(s.n_kv_tokens)]
+    flags = ["-ngl", str(plan.n_gpu_layers)]
+    k = plan.placement.n_cpu_moe
+    if k:
+        flags += ["--cpu-moe"] if k >= plan.n_layers else ["--n-cpu-moe", str(k)]
+    flags += ["-c", str(s.n_kv_tokens)]
     if s.n_parallel > 1:
         flags += ["-np", str(s.n_parallel)]
     flags += ["-ub", str(s.n_ubatch)]
@@ -31,6 +35,17 @@ def llama_cpp_flags(plan: Plan) -> list[str]:
     return flags
 
 
+EXPERT_TENSORS = r"ffn_(up|down|gate)_exps"
+
+
+def override_tensor_pattern(n_cpu_moe: int, n_layers: int) -> str:
+    r"""The -ot (--override-tensor) value that keeps the routed experts of the first n_cpu_moe
+    layers in host memory, as --n-cpu-moe does: `blk\.(0|1|2)\.ffn_(up|down|gate)_exps=CPU`."""
+    if n_cpu_moe >= n_layers:
+        return rf"\.{EXPERT_TENSORS}=CPU"
+    return rf"blk\.({'|'.join(str(il) for il in range(n_cpu_moe))})\.{EXPERT_TENSORS}=CPU"
+
+
 def _model_arg(plan: Plan) -> str:
     if plan.profile.path:
         return plan.profile.path
@@ -41,6 +56,11 @@ def llama_server_command(plan: Plan) -> str:
     lines = []
     if not plan.settings.kv.llama_cpp:
         lines.append(f"# llama.cpp has no {plan.settings.kv.name} KV cache; this uses f16")
+    k = plan.placement.n_cpu_moe
+    if k:
+        flag = "--cpu-moe" if k >= plan.n_layers else f"--n-cpu-moe {k}"
+        lines.append(f"# builds without {flag.split()[0]}: the same placement with "
+                     f"-ot {shlex.quote(override_tensor_pattern(k, plan.n_layers))}")
     lines.append(shlex.join(["llama-server", "-m", _model_arg(plan), *llama_cpp_flags(plan)]))
     return "\n".join(lines)
 

@@ -115,6 +115,34 @@ def explain_auto(profile: ModelProfile, machine: Machine, settings: PlanSettings
     return reasons
 
 
+def moe_flag(profile: ModelProfile, n_cpu_moe: int) -> str:
+    return "--cpu-moe" if n_cpu_moe >= profile.n_layers else f"--n-cpu-moe {n_cpu_moe}"
+
+
+def explain_moe(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands: list["Candidate"],
+                chosen: "Candidate") -> list[str]:
+    """All layers on the GPU with the routed experts of the first N layers in host memory."""
+    from layerplan.planner import best_candidate
+
+    n, k = profile.n_layers, chosen.n_cpu_moe
+    host = chosen.placement.host
+    in_ram = sum(layer.expert_bytes for layer in profile.layers[:k])
+    read = in_ram * profile.n_expert_used / profile.n_expert
+    which = "all" if k >= n else f"the first {k}"
+    reasons = [f"All {n} layers and the output head go to the {_gpu_word(machine)} with the routed experts of "
+               f"{which} layers in RAM ({moe_flag(profile, k)}: {fb(in_ram)}); a token reads only "
+               f"{profile.n_expert_used} of {profile.n_expert} experts, {fb(read)} from RAM, so this predicts "
+               f"{chosen.predicted.decode_tok_s:.1f} tok/s with {fb(host.headroom_bytes)} of RAM headroom."]
+    layer_split = best_candidate(cands)
+    if layer_split is not None and layer_split.n_gpu_layers <= n:
+        reasons.append(f"Moving whole layers instead (-ngl {layer_split.n_gpu_layers}) would predict "
+                       f"{layer_split.predicted.decode_tok_s:.1f} tok/s.")
+    elif layer_split is None:
+        reasons.append("No whole-layer split (-ngl) fits with this context; keeping experts in RAM is what makes "
+                       "it fit.")
+    return reasons
+
+
 def explain_pinned(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands: list["Candidate"],
                    chosen: "Candidate", best: "Candidate | None") -> list[str]:
     k = chosen.n_gpu_layers
@@ -123,6 +151,9 @@ def explain_pinned(profile: ModelProfile, machine: Machine, settings: PlanSettin
         if best is not None and best.n_gpu_layers != k:
             sentence += f"; auto would choose {best.n_gpu_layers} at {best.predicted.decode_tok_s:.1f} tok/s"
         reasons = [sentence + "."]
+        if chosen.n_cpu_moe:
+            reasons.append(f"The routed experts of the first {chosen.n_cpu_moe} layers stay in RAM "
+                           f"({moe_flag(profile, chosen.n_cpu_moe)}).")
         if 0 < k <= profile.n_layers:
             reasons.append(_which_end(profile, k, machine))
         return reasons

@@ -38,6 +38,7 @@ class LayerProfile:
     expert_params: int = 0   # part of params in MoE expert tensors
     vector_bytes: int = 0    # part of weight_bytes in 1-D tensors (norms, biases), kept in f32 by runtimes
     n_matmuls: int = 7       # matmul calls per step (q, k, v, o, gate, up, down as llama.cpp runs them)
+    n_expert_matmuls: int = 0  # part of n_matmuls on MoE expert tensors (ffn_gate/up/down_exps)
     n_head: int = 0
     n_kv_head: int = 0       # 0: this layer has no KV cache
     head_dim_k: int = 0
@@ -62,10 +63,32 @@ class ModelProfile:
     head_params: int         # n_vocab * d_model
     tied_embeddings: bool
     other_bytes: int = 0     # global tensors that are neither (rope_freqs, ...), kept in host memory
-    n_expert: int = 0
-    n_expert_used: int = 0
+    n_expert: int = 0        # MoE: experts per layer (0: a dense model)
+    n_expert_used: int = 0   # MoE: experts each token is routed to
+    n_expert_shared: int = 0 # MoE: shared experts every token runs (ffn_*_shexp, counted as dense weights)
     path: str | None = None  # the GGUF file, None for a built-in shape
     source: str = "gguf"     # "gguf" or "built-in"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0 and any(layer.expert_bytes for layer in self.layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of all routed-expert tensors (ffn_*_exps), as stored."""
+        return sum(layer.expert_bytes for layer in self.layers)
+
+    @property
+    def active_expert_bytes(self) -> float:
+        """Expert bytes one token reads: n_expert_used of n_expert experts in every layer."""
+        return self.expert_bytes * self.n_expert_used / self.n_expert if self.is_moe else 0.0
+
+    @property
+    def active_params(self) -> float:
+        """Matrix parameters one token multiplies by: dense layers, its routed experts, the output head."""
+        used = self.n_expert_used / self.n_expert if self.is_moe else 1.0
+        return (sum(layer.params - layer.expert_params * (1 - used) for layer in self.layers)
+                + self.head_params)
 
     @property
     def weight_bytes(self) -> int:
@@ -88,8 +111,13 @@ def profile_gguf(path: str | os.PathLike) -> ModelProfile:
     return profile_from_header(read_header(path))
 
 
+def _is_matrix(info: TensorInfo) -> bool:
+    """A weight matrix some matmul reads (norms, biases and the per-expert biases of gpt-oss are not)."""
+    return len(info.shape) >= 2 and not info.name.endswith(".bias")
+
+
 def _params(info: TensorInfo) -> int:
-    if len(info.shape) < 2:
+    if not _is_matrix(info):
         return 0  # norms and biases: no matmul
     n = 1
     for dim in info.shape:
@@ -159,7 +187,8 @@ def _profile(header: GGUFHeader) -> ModelProfile:
             expert_bytes=sum(t.n_bytes for t in experts),
             expert_params=sum(_params(t) for t in experts),
             vector_bytes=sum(t.n_bytes for t in tensors if len(t.shape) < 2),
-            n_matmuls=sum(1 for t in tensors if len(t.shape) >= 2),
+            n_matmuls=sum(1 for t in tensors if _is_matrix(t)),
+            n_expert_matmuls=sum(1 for t in experts if _is_matrix(t)),
             n_head=n_head[il], n_kv_head=n_kv_head[il], head_dim_k=head_dim_k, head_dim_v=head_dim_v,
             sliding_window=int(window) if is_swa else None,
         ))
@@ -193,5 +222,6 @@ def _profile(header: GGUFHeader) -> ModelProfile:
         other_bytes=other_bytes,
         n_expert=n_expert,
         n_expert_used=arch_int(header, "expert_used_count", 0, high=n_expert),
+        n_expert_shared=arch_int(header, "expert_shared_count", 0, high=MAX_EXPERTS),
         path=str(header.path),
     )

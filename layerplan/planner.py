@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from layerplan.devices import Machine
-from layerplan.explain import explain_auto, explain_pinned, explain_unfit
+from layerplan.explain import explain_auto, explain_moe, explain_pinned, explain_unfit
 from layerplan.kv_cache import kv_bytes_per_token
 from layerplan.model_profile import ModelProfile
 from layerplan.placement import DeviceUsage, LayerSizes, Placement, place
@@ -36,6 +36,10 @@ class Candidate:
     @property
     def n_gpu_layers(self) -> int:
         return self.placement.n_gpu_layers
+
+    @property
+    def n_cpu_moe(self) -> int:
+        return self.placement.n_cpu_moe
 
     @property
     def fits(self) -> bool:
@@ -68,6 +72,10 @@ class Plan:
         return self.placement.n_gpu_layers
 
     @property
+    def n_cpu_moe(self) -> int:
+        return self.placement.n_cpu_moe
+
+    @property
     def n_layers(self) -> int:
         return self.profile.n_layers
 
@@ -87,24 +95,42 @@ class Plan:
 
 
 def candidates(profile: ModelProfile, machine: Machine, settings: PlanSettings,
-               prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> list[Candidate]:
-    """Every n_gpu_layers this machine allows (0 only, without a GPU), placed and predicted."""
+               prompt_tokens: int = DEFAULT_PROMPT_TOKENS, n_cpu_moe: int = 0) -> list[Candidate]:
+    """Every n_gpu_layers this machine allows (0 only, without a GPU), placed and predicted;
+    the list's index is n_gpu_layers."""
     sizes = LayerSizes(profile, settings)
     top = profile.n_layers + 1 if machine.gpus else 0
     result = []
     for n_gpu_layers in range(top + 1):
-        placement = place(profile, machine, settings, n_gpu_layers, sizes)
+        placement = place(profile, machine, settings, n_gpu_layers, sizes, n_cpu_moe=n_cpu_moe)
+        result.append(Candidate(placement, predict(profile, machine, placement, settings, prompt_tokens=prompt_tokens)))
+    return result
+
+
+def moe_candidates(profile: ModelProfile, machine: Machine, settings: PlanSettings,
+                   prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> list[Candidate]:
+    """For a MoE model on a machine with a GPU: every layer on the GPU with the routed experts of
+    the first N layers in host memory, N = 1 .. n_layers (llama.cpp's -ngl all --n-cpu-moe N;
+    N = n_layers is --cpu-moe). Empty for a dense model or without a GPU."""
+    if not profile.is_moe or not machine.gpus:
+        return []
+    sizes, n = LayerSizes(profile, settings), profile.n_layers
+    result = []
+    for n_cpu_moe in range(1, n + 1):
+        placement = place(profile, machine, settings, n + 1, sizes, n_cpu_moe=n_cpu_moe)
         result.append(Candidate(placement, predict(profile, machine, placement, settings, prompt_tokens=prompt_tokens)))
     return result
 
 
 def best_candidate(cands: list[Candidate]) -> Candidate | None:
-    """The fitting candidate with the best decode speed (more GPU layers on a near tie); None if none fits."""
+    """The fitting candidate with the best decode speed (on a near tie, more GPU layers, then fewer
+    experts in RAM); None if none fits."""
     fitting = [c for c in cands if c.fits]
     if not fitting:
         return None
     best = max(c.predicted.decode_tok_s for c in fitting)
-    return max((c for c in fitting if c.predicted.decode_tok_s >= best * (1 - TIE)), key=lambda c: c.n_gpu_layers)
+    return max((c for c in fitting if c.predicted.decode_tok_s >= best * (1 - TIE)),
+               key=lambda c: (c.n_gpu_layers, -c.n_cpu_moe))
 
 
 def max_context(profile: ModelProfile, machine: Machine, settings: PlanSettings, n_gpu_layers: int,
@@ -131,17 +157,43 @@ def sweep(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands
                           max_context(profile, machine, settings, c.n_gpu_layers, limit)) for c in cands)
 
 
+def _pinned_moe(profile: ModelProfile, n_cpu_moe: int | None, notes: list[str]) -> int | None:
+    if n_cpu_moe is None:
+        return None
+    if n_cpu_moe < 0:
+        raise PlanError("--n-cpu-moe must be 'auto' or a number from 0 up")
+    if n_cpu_moe and not profile.is_moe:
+        raise PlanError(f"--n-cpu-moe {n_cpu_moe} applies to MoE models only, and {profile.name} has no expert tensors")
+    if n_cpu_moe > profile.n_layers:
+        notes.append(f"--n-cpu-moe {n_cpu_moe} means all {profile.n_layers} layers' experts (--cpu-moe).")
+    return min(n_cpu_moe, profile.n_layers)
+
+
+def _evaluate(profile: ModelProfile, machine: Machine, settings: PlanSettings, prompt_tokens: int,
+              n_gpu_layers: int | None, n_cpu_moe: int | None) -> tuple[list[Candidate], list[Candidate]]:
+    """(the n_gpu_layers sweep at the pinned or zero n_cpu_moe, the experts-in-RAM placements
+    that may also be chosen: only when neither pin rules them out)."""
+    cands = candidates(profile, machine, settings, prompt_tokens, n_cpu_moe=n_cpu_moe or 0)
+    free_moe = n_cpu_moe is None and n_gpu_layers in (None, profile.n_layers + 1)
+    return cands, moe_candidates(profile, machine, settings, prompt_tokens) if free_moe else []
+
+
 def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n_parallel: int = 1,
          kv_type: str = "f16", n_ubatch: int = DEFAULT_UBATCH, margin_bytes: int = DEFAULT_MARGIN,
          n_gpu_layers: int | None = None, kv_offload: bool = True, flash_attention: bool = True,
-         prompt_tokens: int = DEFAULT_PROMPT_TOKENS, with_sweep: bool = True) -> Plan:
-    """Plan `profile` on `machine`. None for n_ctx or n_gpu_layers means: the planner chooses.
+         prompt_tokens: int = DEFAULT_PROMPT_TOKENS, with_sweep: bool = True,
+         n_cpu_moe: int | None = None) -> Plan:
+    """Plan `profile` on `machine`. None for n_ctx, n_gpu_layers or n_cpu_moe means: the planner
+    chooses (n_cpu_moe: the routed experts of the first N layers kept in host memory, MoE only).
 
     n_ctx is per sequence (n_parallel sequences each get n_ctx tokens of KV cache). The
     unpinned context is min(trained context, 4096), halved while nothing fits.
     """
     n = profile.n_layers
     notes = []
+    if profile.is_moe:
+        notes.append(f"localrun's engine does not run MoE models yet ({profile.n_expert} experts, "
+                     f"{profile.n_expert_used} used per token): this plan is for llama.cpp (--emit llama-server).")
     if n_gpu_layers is not None:
         if n_gpu_layers < 0:
             raise PlanError("--gpu-layers must be 'auto' or a number from 0 up")
@@ -151,6 +203,7 @@ def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n
         if n_gpu_layers and not machine.gpus:
             raise PlanError(f"--gpu-layers {n_gpu_layers} needs a GPU and none was found; pass --vram 24GiB or "
                             "--gpu rtx4090 to plan for one, or use --gpu-layers 0")
+    n_cpu_moe = _pinned_moe(profile, n_cpu_moe, notes)
     try:
         settings = PlanSettings(n_ctx=n_ctx or min(profile.n_ctx_train, DEFAULT_CTX), n_parallel=n_parallel,
                                 kv_type=kv_type, n_ubatch=n_ubatch, margin_bytes=margin_bytes,
@@ -161,27 +214,28 @@ def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n
         notes.append(f"--ctx {n_ctx} is beyond the {profile.n_ctx_train} tokens the model was trained for; "
                      "quality may drop past that.")
 
-    cands = candidates(profile, machine, settings, prompt_tokens)
+    cands, moe = _evaluate(profile, machine, settings, prompt_tokens, n_gpu_layers, n_cpu_moe)
     if n_gpu_layers is None and n_ctx is None:
         requested = settings.n_ctx
-        while best_candidate(cands) is None and settings.n_ctx > MIN_AUTO_CTX:
+        while best_candidate(cands + moe) is None and settings.n_ctx > MIN_AUTO_CTX:
             settings = replace(settings, n_ctx=max(MIN_AUTO_CTX, settings.n_ctx // 2))
-            cands = candidates(profile, machine, settings, prompt_tokens)
-        if settings.n_ctx != requested and best_candidate(cands):
+            cands, moe = _evaluate(profile, machine, settings, prompt_tokens, n_gpu_layers, n_cpu_moe)
+        if settings.n_ctx != requested and best_candidate(cands + moe):
             notes.append(f"The context was lowered from {requested} to {settings.n_ctx} tokens so that the KV "
                          "cache fits; pass --ctx to choose it.")
 
-    best = best_candidate(cands)
+    best = best_candidate(cands + moe)
     if n_gpu_layers is not None:
-        chosen = cands[n_gpu_layers]
+        chosen = best_candidate([cands[n_gpu_layers]] + moe) or cands[n_gpu_layers]
         reasons = (explain_pinned(profile, machine, settings, cands, chosen, best) if chosen.fits or best
                    else explain_unfit(profile, machine, settings, cands, pinned=chosen))
     elif best is not None:
         chosen = best
-        reasons = explain_auto(profile, machine, settings, cands, chosen)
+        reasons = (explain_moe(profile, machine, settings, cands, chosen) if chosen.n_cpu_moe
+                   else explain_auto(profile, machine, settings, cands, chosen))
     else:  # nothing fits: show the plan with the most on the GPUs that still fits them, and say what to change
-        gpus_fit = [c for c in cands if all(u.fits for u in c.placement.usage[:-1])]
-        chosen = max(gpus_fit or cands[:1], key=lambda c: c.n_gpu_layers)
+        gpus_fit = [c for c in cands + moe if all(u.fits for u in c.placement.usage[:-1])]
+        chosen = max(gpus_fit or cands[:1], key=lambda c: (c.n_gpu_layers, -c.n_cpu_moe))
         reasons = explain_unfit(profile, machine, settings, cands)
     return Plan(profile, machine, settings, chosen.placement, chosen.predicted, chosen.fits,
                 tuple(notes + reasons), sweep(profile, machine, settings, cands) if with_sweep else (),

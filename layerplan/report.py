@@ -17,6 +17,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "weights_bytes": plan.profile.weight_bytes,
         "n_layers": plan.n_layers,
         "n_gpu_layers": plan.n_gpu_layers,
+        "n_cpu_moe": plan.n_cpu_moe,
+        "moe": _moe(plan),
         "auto": plan.auto,
         "fits": plan.fits,
         "reasons": list(plan.reasons),
@@ -53,3 +55,16 @@ def plan_to_dict(plan: Plan) -> dict:
                    "max_ctx": r.max_ctx} for r in plan.sweep],
         "llama_cpp_flags": llama_cpp_flags(plan),
     }
+
+
+def _moe(plan: Plan) -> dict | None:
+    """The MoE facts of the plan, None for a dense model."""
+    p = plan.profile
+    if not p.is_moe:
+        return None
+    in_ram = sum(layer.expert_bytes for layer in p.layers[:plan.n_cpu_moe])
+    in_ram += sum(layer.expert_bytes for il, layer in enumerate(p.layers)
+                  if il >= plan.n_cpu_moe and plan.placement.layer_devices[il] == len(plan.machine.gpus))
+    return {"n_expert": p.n_expert, "n_expert_used": p.n_expert_used, "n_expert_shared": p.n_expert_shared,
+            "expert_bytes": p.expert_bytes, "expert_bytes_in_ram": in_ram,
+            "active_expert_bytes_per_token": round(p.active_expert_bytes), "engine_runs_it": False}

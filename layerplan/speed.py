@@ -42,13 +42,25 @@ def _active_fraction(profile: ModelProfile, n_tokens: int) -> float:
     return 1.0 - (1.0 - profile.n_expert_used / profile.n_expert) ** n_tokens
 
 
+def _dense_matmul(layer: LayerProfile, n_tokens: int) -> tuple[float, float]:
+    """(weight bytes read, flops) of one layer's matmuls besides its routed experts."""
+    return layer.weight_bytes - layer.expert_bytes, 2 * n_tokens * (layer.params - layer.expert_params)
+
+
+def _expert_matmul(profile: ModelProfile, layer: LayerProfile, n_tokens: int) -> tuple[float, float]:
+    """(weight bytes read, flops) of one layer's routed experts for n_tokens tokens: each token
+    multiplies by n_expert_used experts, and the batch reads the union of the experts it touches."""
+    if not layer.expert_bytes:
+        return 0.0, 0.0
+    used = profile.n_expert_used / profile.n_expert if profile.n_expert and profile.n_expert_used else 1.0
+    return layer.expert_bytes * _active_fraction(profile, n_tokens), 2 * n_tokens * layer.expert_params * used
+
+
 def _matmul(profile: ModelProfile, layer: LayerProfile, n_tokens: int) -> tuple[float, float]:
     """(weight bytes read, flops) of one layer's matmuls for n_tokens tokens."""
-    dense_bytes = layer.weight_bytes - layer.expert_bytes
-    n_bytes = dense_bytes + layer.expert_bytes * _active_fraction(profile, n_tokens)
-    used = profile.n_expert_used / profile.n_expert if profile.n_expert else 1.0
-    flops = 2 * n_tokens * (layer.params - layer.expert_params + layer.expert_params * used)
-    return n_bytes, flops
+    (dense_bytes, dense_flops), (expert_bytes, expert_flops) = (_dense_matmul(layer, n_tokens),
+                                                                _expert_matmul(profile, layer, n_tokens))
+    return dense_bytes + expert_bytes, dense_flops + expert_flops
 
 
 def _attention(layer: LayerProfile, kv_bytes_per_token: float, n_queries: int, n_cached: float,
@@ -94,11 +106,17 @@ class _Step:
         for il, layer in enumerate(profile.layers):
             device, kv_device = devices[placement.layer_devices[il]], devices[placement.kv_devices[il]]
             per_device[placement.layer_devices[il]] += _transfer_s(previous, device, n_tokens * profile.d_model * F32)
-            w_bytes, w_flops = _matmul(profile, layer, n_tokens)
-            matmul_s = _roofline(device, w_bytes, w_flops)
-            if device.kind == "cpu" and self.op_offload_gpu and n_tokens >= OP_OFFLOAD_MIN_BATCH:
-                gpu = self.op_offload_gpu  # stream the weights over PCIe and multiply on the GPU
-                matmul_s = min(matmul_s, w_bytes / gpu.link_bandwidth + w_flops / gpu.compute_flops)
+            expert_index = placement.expert_device(il)
+            if expert_index == placement.layer_devices[il]:
+                matmul_s = self._matmul_s(device, *_matmul(profile, layer, n_tokens), n_tokens)
+            else:  # --n-cpu-moe: the routed experts run where they live, the activations go there and back
+                expert_device = devices[expert_index]
+                matmul_s = self._matmul_s(device, *_dense_matmul(layer, n_tokens), n_tokens)
+                expert_s = (self._matmul_s(expert_device, *_expert_matmul(profile, layer, n_tokens), n_tokens)
+                            + 2 * _transfer_s(device, expert_device, n_tokens * profile.d_model * F32)
+                            + layer.n_expert_matmuls * expert_device.matmul_overhead_s)
+                per_device[expert_index] += expert_s
+                matmul_s -= layer.n_expert_matmuls * device.matmul_overhead_s  # counted where they run
             a_bytes, a_flops = _attention(layer, self.kv_per_token[il], n_queries, n_cached, n_sequences)
             attention_s = _roofline(kv_device, a_bytes, a_flops)
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
@@ -117,6 +135,15 @@ class _Step:
         else:
             per_device[-1] += _transfer_s(previous, host, 0)
         return sum(per_device), per_device
+
+    def _matmul_s(self, device: Device, w_bytes: float, w_flops: float, n_tokens: int) -> float:
+        """Roofline of matmuls on `device`; a big batch of host-resident matmuls runs on the GPU with
+        its weights streamed over PCIe when that is faster, as llama.cpp does."""
+        seconds = _roofline(device, w_bytes, w_flops)
+        if device.kind == "cpu" and self.op_offload_gpu and n_tokens >= OP_OFFLOAD_MIN_BATCH:
+            gpu = self.op_offload_gpu
+            seconds = min(seconds, w_bytes / gpu.link_bandwidth + w_flops / gpu.compute_flops)
+        return seconds
 
 
 def predict(profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings, *,

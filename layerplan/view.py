@@ -62,6 +62,8 @@ def _devices_table(plan: Plan) -> Table:
         table.add_column(column, justify="left" if column == "device" else "right")
     for i, u in enumerate(plan.usage):
         layers = f"{u.n_layers}" + ("+head" if u.holds_head else "")
+        if u.device.kind == "cpu" and plan.n_cpu_moe:
+            layers += f" +{plan.n_cpu_moe} experts"
         headroom = _gib(u.headroom_bytes)
         headroom = f"[green]{headroom}[/green]" if u.fits else f"[bold red]{headroom}[/bold red]"
         name = u.device.name if u.device.kind == "cpu" else f"{i}: {u.device.name}"
@@ -103,7 +105,11 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     verdict = "[green]fits[/green]" if plan.fits else "[bold red]does not fit[/bold red]"
     p = plan.predicted
     parallel = f" ({p.decode_tok_s_total:.1f} in all)" if plan.settings.n_parallel > 1 else ""
-    console.print(f"[bold]Plan:[/bold] n_gpu_layers {plan.n_gpu_layers} of {n + 1} ({how}), {verdict}")
+    moe = ""
+    if plan.n_cpu_moe:
+        which = "all layers" if plan.n_cpu_moe >= n else f"the first {plan.n_cpu_moe} layers"
+        moe = f", the routed experts of {which} in RAM"
+    console.print(f"[bold]Plan:[/bold] n_gpu_layers {plan.n_gpu_layers} of {n + 1}{moe} ({how}), {verdict}")
     console.print(f"[bold]Predicted:[/bold] decode {p.decode_tok_s:.1f} tok/s per sequence{parallel} with "
                   f"{p.decode_context} tokens cached; prefill {p.prefill_tok_s:.0f} tok/s; time to first token "
                   f"{p.ttft_s:.2f} s for a {p.prompt_tokens}-token prompt")

@@ -43,13 +43,13 @@ def _engine_compute() -> tuple[str, int | None]:
     return str(default_dtype()).removeprefix("torch."), default_threads()
 
 
-def _gpu_layers(text: str) -> int | None:
+def _auto_or_int(flag: str, text: str) -> int | None:
     if text.strip().lower() == "auto":
         return None
     try:
         return int(text)
     except ValueError:
-        raise UserError(f"--gpu-layers takes 'auto' or a number, not '{text}'") from None
+        raise UserError(f"{flag} takes 'auto' or a number, not '{text}'") from None
 
 
 def plan(
@@ -57,6 +57,8 @@ def plan(
                                               "llama3.1-8b:q4_k_m.", show_default=False)],
     gpu_layers: Annotated[str, typer.Option("--gpu-layers", "-ngl", help="'auto', or the number of layers to put "
                                             "on the GPU (llama.cpp's -ngl: the last N; n_layers+1 adds the output head).")] = "auto",
+    cpu_moe: Annotated[str, typer.Option("--n-cpu-moe", help="MoE models: 'auto', or keep the routed experts of "
+                                         "the first N layers in RAM (llama.cpp's --n-cpu-moe).")] = "auto",
     ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per sequence, in tokens "
                                                "[default: min(trained, 4096), lowered if it does not fit].",
                                                show_default=False)] = None,
@@ -88,7 +90,8 @@ def plan(
 
     if emit is not None and emit not in EMIT_TARGETS:
         raise UserError(f"--emit takes {' or '.join(EMIT_TARGETS)}, not '{emit}'")
-    n_gpu_layers = _gpu_layers(gpu_layers)
+    n_gpu_layers = _auto_or_int("--gpu-layers", gpu_layers)
+    n_cpu_moe = _auto_or_int("--n-cpu-moe", cpu_moe)
     profile = load_profile(model)
     try:
         local = layerplan.build_machine()
@@ -102,7 +105,7 @@ def plan(
         machine = layerplan.build_machine(vram=vram, gpu=gpu, ram=ram, calibration=calibration)
         result = layerplan.plan(profile, machine, n_ctx=ctx, n_parallel=parallel, kv_type=kv_type,
                                 n_ubatch=batch, margin_bytes=parse_bytes(margin), n_gpu_layers=n_gpu_layers,
-                                kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens)
+                                kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens, n_cpu_moe=n_cpu_moe)
     except ValueError as err:  # PlanError, bad sizes, unknown presets or KV types
         raise UserError(str(err)) from None
 
