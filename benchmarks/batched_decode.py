@@ -29,11 +29,11 @@ def prompts(llm, n: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(n)]   # distinct windows of the text
 
 
-def bench_localrun(llm, batch: list[list[int]], steps: int) -> float:
+def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None = None) -> float:
     from localrun.engine.llm_engine import LLMEngine
     from localrun.sampling import SamplingParams
     engine = LLMEngine(llm.model, max_model_len=len(batch[0]) + steps + 8, max_num_seqs=len(batch),
-                       max_num_batched_tokens=2048, enable_prefix_caching=False)
+                       max_num_batched_tokens=2048, enable_prefix_caching=False, kv_type=kv_type)
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch)]
     while any(not s.generated_token_ids for s in seqs):       # every prompt prefilled
@@ -105,6 +105,7 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--sizes", default="1,2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kv-type", default=None, help="localrun's KV type (default: the engine's)")
     args = ap.parse_args()
 
     import torch
@@ -125,15 +126,15 @@ def main():
     for _ in range(args.repeats):
         for s in sizes:
             best["llama.cpp"][s] = max(best["llama.cpp"].get(s, 0), peer.run(work[:s], args.steps))
-            best["localrun"][s] = max(best["localrun"].get(s, 0), bench_localrun(llm, work[:s], args.steps))
+            best["localrun"][s] = max(best["localrun"].get(s, 0), bench_localrun(llm, work[:s], args.steps, args.kv_type))
     peer.close()
 
     print(f"model {path.name}, {args.threads} threads, context {args.context}, {args.steps} decode steps, "
-          f"best of {args.repeats}, kernels {kernels.isa()}")
+          f"best of {args.repeats}, kernels {kernels.isa()}, localrun KV {args.kv_type or 'default'}")
     print("| sequences | localrun tok/s | llama.cpp tok/s | localrun / llama.cpp | localrun S / 1 |")
     print("|---|---|---|---|---|")
     result = {"benchmark": "batched_decode", "cpu": cpu_info(), "model": path.name, "threads": args.threads,
-              "context": args.context, "steps": args.steps, "kernels": kernels.isa()}
+              "context": args.context, "steps": args.steps, "kernels": kernels.isa(), "kv_type": args.kv_type or "default"}
     for s in sizes:
         ours, theirs = best["localrun"][s], best["llama.cpp"][s]
         print(f"| {s} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {ours / best['localrun'][1]:.2f}x |")

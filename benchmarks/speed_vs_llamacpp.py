@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="localrun compute dtype (default: chosen for this CPU)")
+    ap.add_argument("--kv-type", default=None, help="localrun's KV type (default: the engine's)")
     args = ap.parse_args()
 
     import llama_cpp
@@ -67,7 +68,8 @@ def main():
     from localrun.models import resolve_model
 
     path = resolve_model(args.model)
-    llm = LLM(path, n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_threads=args.threads, dtype=args.dtype)
+    llm = LLM(path, n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_threads=args.threads, dtype=args.dtype,
+              kv_type=args.kv_type)
     ref = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_batch=512,
                           n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     ids = prompt_ids(llm, args.prompt_tokens)
@@ -92,7 +94,7 @@ def main():
     print(json.dumps({
         "cpu": cpu_info(), "benchmark": "speed_vs_llamacpp", "model": path.name, "threads": args.threads,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
-        "localrun_dtype": str(llm.dtype).replace("torch.", ""),
+        "localrun_dtype": str(llm.dtype).replace("torch.", ""), "localrun_kv_type": llm.engine.kv_type,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "localrun_prefill_tok_s": round(best["localrun"][0], 1),
         "llamacpp_prefill_tok_s": round(best["llama.cpp"][0], 1),

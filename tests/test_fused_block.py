@@ -1,7 +1,8 @@
 """localrun::decode_block (localrun/model/fused_block.py) against Block.forward's Python path:
 the same rows, the same bits, for decode rows of several sequences read through shuffled
 block tables, on quantized weights (the only weights it runs on), for every family's block
-shape (qwen2's biases, qwen3's head norms, gemma3's post-norms, GELU and sliding window)."""
+shape (qwen2's biases, qwen3's head norms, gemma3's post-norms, GELU and sliding window), over
+float32 and float16 KV pools."""
 from __future__ import annotations
 
 import random
@@ -30,14 +31,15 @@ def decode_logits(model, tokens, lengths, pools, block_size, tables):
 
 @pytest.mark.parametrize("architecture, tensor_type", [("llama", "Q4_0"), ("llama", "Q8_0"), ("llama", "Q4_K"),
                                                        ("qwen2", "Q8_0"), ("qwen3", "Q4_0"), ("gemma3", "Q8_0")])
-def test_fused_decode_block_equals_python_block(tmp_path, architecture, tensor_type):
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_fused_decode_block_equals_python_block(tmp_path, architecture, tensor_type, pool_dtype):
     path = write_tiny_model(tmp_path / f"{architecture}.gguf", architecture=architecture, tensor_type=tensor_type)
     model = LLM(path, dtype="float32", quantized=True, n_threads=1).model
     assert all(b.fused_decode is not None for b in model.layers)
     c, bs, num_blocks = model.config, 4, 16
     g = torch.Generator().manual_seed(0)
-    pools = [(torch.randn(num_blocks * bs, c.n_head_kv, c.head_dim, generator=g),
-              torch.randn(num_blocks * bs, c.n_head_kv, c.head_dim, generator=g)) for _ in range(c.n_layers)]
+    pools = [(torch.randn(num_blocks * bs, c.n_head_kv, c.head_dim, generator=g).to(pool_dtype),
+              torch.randn(num_blocks * bs, c.n_head_kv, c.head_dim, generator=g).to(pool_dtype)) for _ in range(c.n_layers)]
     tables = torch.tensor([random.Random(s).sample(range(num_blocks), 5) for s in range(3)])
     tokens, lengths = [5, 17, 3], [1, 9, 20]
     fused, fused_pools = decode_logits(model, tokens, lengths, pools, bs, tables)

@@ -237,6 +237,40 @@ def test_paged_attention_equals_float64_reference(hd, n_kv, group):
             assert np.array_equal(torch.ops.localrun.paged_attention(*args([r])).numpy()[0], out[r])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hd", [64, 40])
+def test_paged_attention_16bit_pool_equals_float32_pool_of_its_values(dtype, hd):
+    """A float16/bfloat16 pool: the new rows are stored as torch's .to() rounds them, and the output
+    is bit for bit the float32 kernel's over the widened pool, so the widening is exact for every
+    stored value (subnormals, the largest finite values and signed zeros included)."""
+    rng = np.random.default_rng(7)
+    n_kv, group, num_blocks, lengths = 2, 3, 12, [1, 9, 16, 33, 70]
+    tables = torch.from_numpy(np.stack([rng.permutation(num_blocks)[:5] for _ in lengths]))
+    bits = torch.from_numpy(rng.integers(0, 1 << 16, (num_blocks * BLOCK, 2, n_kv, hd), dtype=np.int32))
+    pools = bits.to(torch.int16).view(dtype)
+    finite = torch.isfinite(pools.float())
+    pools = torch.where(finite, pools, torch.zeros((), dtype=dtype))          # no inf/NaN: they would poison sums
+    pools = torch.where(pools.float().abs() > 8, pools / 1024, pools).to(dtype)  # scores stay finite
+    flat = pools.view(torch.int16).flatten()
+    if dtype == torch.float16:       # every subnormal and the extremes appear
+        flat[:64] = torch.tensor([1, 0x3ff, 0x8001, 0x83ff, 0x8000, 0x7bff, 0xfbff, 0x0400] * 8, dtype=torch.int32).to(torch.int16)
+    k_pool, v_pool = pools[:, 0].contiguous(), pools[:, 1].contiguous()
+    q = torch.from_numpy(rng.standard_normal((len(lengths), n_kv * group, hd)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32))
+    slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)])
+    for window in (0, 20):
+        kp, vp = k_pool.clone(), v_pool.clone()
+        rest = (slots, tables, torch.arange(len(lengths)), torch.tensor(lengths), BLOCK, window)
+        out = torch.ops.localrun.paged_attention(q, k, v, kp, vp, *rest)
+        assert torch.equal(kp[slots].view(torch.int16), k.to(dtype).view(torch.int16))
+        assert torch.equal(vp[slots].view(torch.int16), v.to(dtype).view(torch.int16))
+        kf, vf = kp.float(), vp.float()
+        same = torch.ops.localrun.paged_attention(q, kf[slots], vf[slots], kf, vf, *rest)
+        assert torch.equal(out, same), f"window {window}"
+        assert torch.isfinite(out).all()
+
+
 def test_small_ops_equal_float64_reference():
     """silu_mul and gelu_mul (vector exp), rms_norm and add_rms_norm against float64, with a tail under 8
     values and gate values far in both tails of the sigmoid."""

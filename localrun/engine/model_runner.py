@@ -91,7 +91,7 @@ class ModelRunner:
 
     def paged_rows(self, batch: Batch, num_rows: int) -> PagedRows | None:
         """The leading decode and verify rows' metadata for the paged attention kernel, where
-        the model runs localrun's kernels on the CPU over a float32 pool; else None."""
+        the model runs localrun's kernels on the CPU over a float pool (f32, f16, bf16); else None."""
         if not num_rows or not self.model.fused or not self.kv_cache.supports_paged_attention:
             return None
         entries = batch.entries[:next((i for i, e in enumerate(batch.entries) if e.is_prefill), len(batch.entries))]

@@ -253,8 +253,10 @@ class PagedKVCache:
 
     @property
     def supports_paged_attention(self) -> bool:
-        """Whether localrun::paged_attention can read this pool in place: float32 values on the CPU."""
-        return self.kv_type == "f32" and all(d.type == "cpu" for d in self.devices)
+        """Whether localrun::paged_attention can read this pool in place: float32, float16 or
+        bfloat16 values on the CPU, for a float32 model (int8 and fp8 are read through the gather path)."""
+        return (self.kv_type in FLOAT_KV_TYPES and self.compute_dtype == torch.float32
+                and all(d.type == "cpu" for d in self.devices))
 
     def float_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's K and V values, (num_blocks * block_size, n_kv, hd), for the paged kernel."""

@@ -46,7 +46,7 @@ class Segment:
 @dataclass
 class PagedRows:
     """The leading decode and verify rows of a batch (one query each over its own prefix),
-    attended in one kernel call per layer straight from a float32 KV pool
+    attended in one kernel call per layer straight from a float32, float16 or bfloat16 KV pool
     (localrun::paged_attention), with no gather and no loop over sequences. Built once per
     forward by the model runner, which then passes segments for the later rows only."""
     num_rows: int

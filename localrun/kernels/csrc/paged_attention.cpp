@@ -1,12 +1,17 @@
-// Batched paged attention for decode and verify rows, float32 KV, in one call per layer:
+// Batched paged attention for decode and verify rows, in one call per layer, over a float32,
+// float16 or bfloat16 KV pool (the queries, new keys and values and the output are float32):
 //   paged_attention(q, k, v, k_pool, v_pool, slots, block_tables, row_seq, row_len, block_size, window=0) -> out
 //   q (T, H, hd); k, v (T, n_kv, hd): the rows' new keys and values, written first into the pools
-//   (num_blocks * block_size, n_kv, hd) at `slots` (T,). Row t then attends, as one query, over
+//   (num_blocks * block_size, n_kv, hd) at `slots` (T,), rounded to the pool's type as torch's
+//   .to() rounds (to nearest, ties to even). Row t then attends, as one query, over
 //   the first row_len[t] positions of sequence row_seq[t], whose position p lives in slot
 //   block_tables[row_seq[t], p / block_size] * block_size + p % block_size. window > 0 (a
 //   sliding-window layer): only the last `window` of those positions, p >= row_len[t] - window;
 //   the block table's entries before them are never read. Grouped-query: head h
 //   reads KV head h / (H / n_kv). Scale 1/sqrt(hd), softmax in float32 with the maximum removed.
+// A 16-bit pool is read a block at a time: the block's rows of one KV head are widened to float32
+// into an L1 scratch once, then every query head of the group uses them as if the pool were
+// float32 (so the arithmetic is the float32 kernel's, on exactly the stored values).
 // No gather, no Python loop over sequences; every row is computed on its own, so a verify row
 // equals the decode step it stands for, bit for bit. The reference is torch's SDPA over the
 // gathered keys (localrun/model/llama.py, Attention._attend).
@@ -30,13 +35,52 @@ namespace {
 // row runs the same instructions in the same order whatever else is in the call.
 struct RowArgs {
     const float* q;            // (heads, hd): the query heads of this row that share KV head g
-    const float *kp, *vp;      // pools
+    const void *kp, *vp;       // pools (float, half or bfloat16 per Fmt)
     const int64_t* table;      // this sequence's block table
     int64_t block_size, n_kv, g, hd, first, L, heads;
     float scale;
-    float* scores;             // scratch: heads * (L - first + 8) scores, then heads * hd sums
+    float* scores;             // scratch: heads * (L - first + 8) scores, heads * hd sums, block_size * hd rows
     float* out;                // (heads, hd)
 };
+
+// Pool formats. rows(): where the rows off..off+n-1 of block b (KV head g) are as float32, and
+// their stride: the pool itself for float32, else `buf` (n * hd floats) after widening them.
+struct F32 {
+    using E = float;
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const void* pool, int64_t b, int64_t off, int64_t n,
+                                           float* buf, int64_t& stride) {
+        stride = a.n_kv * a.hd;
+        return static_cast<const float*>(pool) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * a.hd;
+    }
+};
+
+template <typename Widen>
+struct Half16 {                    // float16 or bfloat16 values, stored as 16-bit words
+    using E = uint16_t;
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const void* pool, int64_t b, int64_t off, int64_t n,
+                                           float* buf, int64_t& stride) {
+        const int64_t hd = a.hd, src_stride = a.n_kv * hd;
+        const uint16_t* src = static_cast<const uint16_t*>(pool) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd;
+        for (int64_t r = 0; r < n; r++, src += src_stride) {
+            int64_t i = 0;
+            for (; i + 8 <= hd; i += 8) store8(buf + r * hd + i, Widen::load8(src + i));
+            for (; i < hd; i++) buf[r * hd + i] = Widen::one(src[i]);
+        }
+        stride = hd;
+        return buf;
+    }
+};
+
+struct WidenF16 {     // exact: the 15 magnitude bits moved into a float, scaled by 2^112; inf/NaN kept
+    ALWAYS_INLINE static v8 load8(const uint16_t* p) { return half8(p); }
+    static float one(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+};
+struct WidenBF16 {    // exact: the 16 bits are the float's upper half
+    ALWAYS_INLINE static v8 load8(const uint16_t* p) { return bf16x8(p); }
+    static float one(uint16_t h) { return static_cast<float>(c10::BFloat16(h, c10::BFloat16::from_bits())); }
+};
+using F16 = Half16<WidenF16>;
+using BF16 = Half16<WidenBF16>;
 
 // The query heads of one row that share KV head g, over positions first..L-1: each key and
 // value row is read from memory once for all of them (grouped-query attention), and stays in
@@ -45,27 +89,30 @@ struct RowArgs {
 // 8 at run time.
 // Ask for the next block's rows of KV head g (keys or values) while this block is used: the
 // blocks of a sequence lie anywhere in the pool, so the hardware prefetcher cannot follow.
-ALWAYS_INLINE void prefetch_block(const RowArgs& a, const float* pool, int64_t b, int64_t hd) {
+template <typename Fmt>
+ALWAYS_INLINE void prefetch_block(const RowArgs& a, const void* pool, int64_t b, int64_t hd) {
     if (b * a.block_size >= a.L) return;
-    const float* row = pool + (a.table[b] * a.block_size * a.n_kv + a.g) * hd;
-    const int64_t rows = std::min(a.block_size, a.L - b * a.block_size);
-    for (int64_t r = 0; r < rows; r++, row += a.n_kv * hd)
-        for (int64_t c = 0; c < hd; c += 16) __builtin_prefetch(row + c);
+    const char* row = static_cast<const char*>(pool) + (a.table[b] * a.block_size * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
+    const int64_t rows = std::min(a.block_size, a.L - b * a.block_size), bytes = hd * sizeof(typename Fmt::E);
+    for (int64_t r = 0; r < rows; r++, row += a.n_kv * bytes)
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
 }
 
-template <int HD>
+template <int HD, typename Fmt>
 ALWAYS_INLINE void attend_row(const RowArgs& a) {
-    const int64_t hd = HD ? HD : a.hd, nv = hd / 8, n = a.L - a.first, ls = n + 8, stride = a.n_kv * hd;
+    const int64_t hd = HD ? HD : a.hd, nv = hd / 8, n = a.L - a.first, ls = n + 8;
     float* acc_all = a.scores + a.heads * ls;                     // (heads, hd) running sums of e * v
+    float* buf = acc_all + a.heads * hd;                          // (block_size, hd) widened rows
     float mx[64];
     for (int64_t hh = 0; hh < a.heads; hh++) mx[hh] = -INFINITY;
     float qs[64 * 8];                                             // one head's scaled query, reused per key chunk
     // scores[hh][p - first] = q_hh . k_p * scale, block by block through the table
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
-        const float* kb = a.kp + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
+        int64_t stride;
+        const float* kb = Fmt::rows(a, a.kp, b, p % a.block_size, end - p, buf, stride);
         const int64_t p0 = p;
-        prefetch_block(a, a.kp, b + 1, hd);
+        prefetch_block<Fmt>(a, a.kp, b + 1, hd);
         for (int64_t hh = 0; hh < a.heads; hh++) {
             for (int64_t i = 0; i < nv; i++) store8(qs + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
             float* sc_h = a.scores + hh * ls;
@@ -121,8 +168,9 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     constexpr int NV = HD ? HD / 8 : 32;
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
-        const float* vb = a.vp + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
-        prefetch_block(a, a.vp, b + 1, hd);
+        int64_t stride;
+        const float* vb = Fmt::rows(a, a.vp, b, p % a.block_size, end - p, buf, stride);
+        prefetch_block<Fmt>(a, a.vp, b + 1, hd);
         for (int64_t hh = 0; hh < a.heads; hh++) {
             v8 acc[NV];
             float* acc_h = acc_all + hh * hd;
@@ -142,15 +190,18 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
 }
 
 // Head sizes the vector kernel does not take (not a multiple of 8, or over 256), or more than
-// 64 heads per KV head: plain loops, one head at a time.
+// 64 heads per KV head: plain loops, one head at a time, one widened row at a time.
+template <typename Fmt>
 inline void attend_scalar(const RowArgs& a) {
     const int64_t n = a.L - a.first;
+    float* buf = a.scores + a.heads * (n + 8);                    // one widened row
+    int64_t stride;
     for (int64_t hh = 0; hh < a.heads; hh++) {
         const float* q = a.q + hh * a.hd;
         float* out = a.out + hh * a.hd;
         float mx = -INFINITY;
         for (int64_t p = a.first; p < a.L; p++) {
-            const float* k = a.kp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
+            const float* k = Fmt::rows(a, a.kp, p / a.block_size, p % a.block_size, 1, buf, stride);
             float s = 0.f;
             for (int64_t d = 0; d < a.hd; d++) s += q[d] * a.scale * k[d];
             a.scores[p - a.first] = s;
@@ -160,28 +211,39 @@ inline void attend_scalar(const RowArgs& a) {
         for (int64_t j = 0; j < n; j++) { a.scores[j] = std::exp(a.scores[j] - mx); sum += a.scores[j]; }
         for (int64_t d = 0; d < a.hd; d++) out[d] = 0.f;
         for (int64_t p = a.first; p < a.L; p++) {
-            const float* v = a.vp + ((a.table[p / a.block_size] * a.block_size + p % a.block_size) * a.n_kv + a.g) * a.hd;
+            const float* v = Fmt::rows(a, a.vp, p / a.block_size, p % a.block_size, 1, buf, stride);
             for (int64_t d = 0; d < a.hd; d++) out[d] += a.scores[p - a.first] * v[d];
         }
         for (int64_t d = 0; d < a.hd; d++) out[d] /= sum;
     }
 }
 
-ALWAYS_INLINE void attend_any(const RowArgs& a) {
-    if (a.hd % 8 || a.hd > 256 || a.heads > 64) { attend_scalar(a); return; }
+template <typename Fmt>
+ALWAYS_INLINE void attend_fmt(const RowArgs& a) {
+    if (a.hd % 8 || a.hd > 256 || a.heads > 64) { attend_scalar<Fmt>(a); return; }
     switch (a.hd) {
-        case 64: attend_row<64>(a); return;
-        case 128: attend_row<128>(a); return;
-        case 256: attend_row<256>(a); return;
-        default: attend_row<0>(a); return;
+        case 64: attend_row<64, Fmt>(a); return;
+        case 128: attend_row<128, Fmt>(a); return;
+        case 256: attend_row<256, Fmt>(a); return;
+        default: attend_row<0, Fmt>(a); return;
     }
 }
 
-__attribute__((target("avx2,fma,avx512f,avx512vl"))) void attend_avx512(const RowArgs& a) { attend_any(a); }
-__attribute__((target("avx2,fma"))) void attend_avx2(const RowArgs& a) { attend_any(a); }
-void attend_base(const RowArgs& a) { attend_any(a); }
+enum class PoolType { F32, F16, BF16 };
 
-using RowKernel = void (*)(const RowArgs&);
+ALWAYS_INLINE void attend_any(const RowArgs& a, PoolType type) {
+    switch (type) {
+        case PoolType::F32: attend_fmt<F32>(a); return;
+        case PoolType::F16: attend_fmt<F16>(a); return;
+        case PoolType::BF16: attend_fmt<BF16>(a); return;
+    }
+}
+
+__attribute__((target("avx2,fma,avx512f,avx512vl"))) void attend_avx512(const RowArgs& a, PoolType t) { attend_any(a, t); }
+__attribute__((target("avx2,fma"))) void attend_avx2(const RowArgs& a, PoolType t) { attend_any(a, t); }
+void attend_base(const RowArgs& a, PoolType t) { attend_any(a, t); }
+
+using RowKernel = void (*)(const RowArgs&, PoolType);
 
 // AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA forces a narrower kernel.
 RowKernel row_kernel() {
@@ -197,6 +259,12 @@ RowKernel row_kernel() {
     return chosen;
 }
 
+template <typename E>
+void write_rows(E* pool, const float* x, const int64_t* slots, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = static_cast<E>(x[t * row + i]);
+}
+
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slots_in, const at::Tensor& tables_in,
                            const at::Tensor& row_seq_in, const at::Tensor& row_len_in, int64_t block_size, int64_t window) {
@@ -204,8 +272,12 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const at::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous();
     const at::Tensor row_seq = row_seq_in.contiguous(), row_len = row_len_in.contiguous();
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::paged_attention: q (T,H,hd), k and v (T,n_kv,hd)");
-    for (const at::Tensor* t : {&q, &k, &v, static_cast<const at::Tensor*>(&k_pool), static_cast<const at::Tensor*>(&v_pool)})
-        TORCH_CHECK(t->scalar_type() == at::kFloat, "localrun::paged_attention: float32 tensors only");
+    for (const at::Tensor* t : {&q, &k, &v})
+        TORCH_CHECK(t->scalar_type() == at::kFloat, "localrun::paged_attention: q, k and v must be float32");
+    TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "localrun::paged_attention: K and V pools of one type");
+    const at::ScalarType pool_type = k_pool.scalar_type();
+    TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf || pool_type == at::kBFloat16,
+                "localrun::paged_attention: pools must be float32, float16 or bfloat16");
     TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() && k_pool.dim() == 3,
                 "localrun::paged_attention: pools must be contiguous (slots, n_kv, hd)");
     for (const at::Tensor* t : {&slots, &tables, &row_seq, &row_len})
@@ -219,14 +291,25 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const int64_t num_slots = k_pool.size(0), max_blocks = tables.size(1), row_bytes = n_kv * hd;
     const int64_t *sp = slots.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>();
     const int64_t *seqp = row_seq.data_ptr<int64_t>(), *lenp = row_len.data_ptr<int64_t>();
-    float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
-    for (int64_t t = 0; t < T; t++) {                      // writes first: later rows read earlier ones
+    for (int64_t t = 0; t < T; t++) {
         TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "localrun::paged_attention: slot out of range");
         TORCH_CHECK(seqp[t] >= 0 && seqp[t] < tables.size(0) && lenp[t] >= 1 && lenp[t] <= max_blocks * block_size,
                     "localrun::paged_attention: row ", t, " reaches past its block table");
-        std::memcpy(kp + sp[t] * row_bytes, k.data_ptr<float>() + t * row_bytes, row_bytes * sizeof(float));
-        std::memcpy(vp + sp[t] * row_bytes, v.data_ptr<float>() + t * row_bytes, row_bytes * sizeof(float));
     }
+    // writes first: later rows read earlier ones; 16-bit pools round as torch's .to() does
+    const float *kn = k.data_ptr<float>(), *vn = v.data_ptr<float>();
+    const PoolType type = pool_type == at::kFloat ? PoolType::F32 : pool_type == at::kHalf ? PoolType::F16 : PoolType::BF16;
+    if (type == PoolType::F32) {
+        write_rows(k_pool.data_ptr<float>(), kn, sp, T, row_bytes);
+        write_rows(v_pool.data_ptr<float>(), vn, sp, T, row_bytes);
+    } else if (type == PoolType::F16) {
+        write_rows(k_pool.data_ptr<at::Half>(), kn, sp, T, row_bytes);
+        write_rows(v_pool.data_ptr<at::Half>(), vn, sp, T, row_bytes);
+    } else {
+        write_rows(k_pool.data_ptr<at::BFloat16>(), kn, sp, T, row_bytes);
+        write_rows(v_pool.data_ptr<at::BFloat16>(), vn, sp, T, row_bytes);
+    }
+    const void *kp = k_pool.data_ptr(), *vp = v_pool.data_ptr();
     at::Tensor out = at::empty({T, H, hd}, q.options());
     const float* qp = q.data_ptr<float>();
     float* op = out.data_ptr<float>();
@@ -250,10 +333,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
             for (int64_t b = first / block_size; b <= (L - 1) / block_size; b++)
                 TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
                             "localrun::paged_attention: block table entry out of range");
-            scratch.resize(heads * (L - first + 8 + hd));
+            scratch.resize(heads * (L - first + 8 + hd) + block_size * hd);
             const RowArgs args{qp + (t * H + h0) * hd, kp, vp, table, block_size, n_kv, g, hd, first, L, heads, scale,
                                scratch.data(), op + (t * H + h0) * hd};
-            attend(args);
+            attend(args, type);
         }
     });
     return out;

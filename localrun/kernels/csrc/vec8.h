@@ -30,6 +30,31 @@ ALWAYS_INLINE v8 transpose_sum8(const v8* s) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+// Eight float16 values (IEEE binary16 bit patterns) widened exactly: the 15 magnitude bits
+// shifted into a float's place are the value times 2^-112 (subnormals included), so one
+// multiply by 2^112 fixes the exponent; inf and NaN get the all-ones exponent; the sign last.
+ALWAYS_INLINE v8 half8(const uint16_t* p) {
+    u16x8 h; std::memcpy(&h, p, sizeof h);
+    const v8i x = __builtin_convertvector(h, v8i), em = (x & 0x7fff) << 13;
+    v8 f; std::memcpy(&f, &em, sizeof f);
+    f = f * splat8(0x1p112f);
+    v8i bits; std::memcpy(&bits, &f, sizeof bits);
+    bits |= (em >= (0x7c00 << 13)) & (0xff << 23);
+    bits |= (x & 0x8000) << 16;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Eight bfloat16 values widened exactly: they are a float's upper 16 bits.
+ALWAYS_INLINE v8 bf16x8(const uint16_t* p) {
+    u16x8 h; std::memcpy(&h, p, sizeof h);
+    const v8i bits = __builtin_convertvector(h, v8i) << 16;
+    v8 f; std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 ALWAYS_INLINE float max8(v8 v) {
     float m = v[0];
     for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
