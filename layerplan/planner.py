@@ -66,6 +66,8 @@ class Plan:
     reasons: tuple[str, ...]
     sweep: tuple[SweepRow, ...]
     auto: bool             # n_gpu_layers was chosen by the planner, not pinned
+    menu: tuple = ()       # the Pareto menu of trade-offs (layerplan.frontier.MenuEntry), when asked for
+    preference: str | None = None  # --prefer speed|context|parallel, when the plan is the menu's pick
 
     @property
     def n_gpu_layers(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from layerplan.emit import llama_cpp_flags
 from layerplan.planner import Plan
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -54,6 +54,11 @@ def plan_to_dict(plan: Plan) -> dict:
         "sweep": [{"n_gpu_layers": r.n_gpu_layers, "fits": r.fits, "decode_tok_s": round(r.decode_tok_s, 3),
                    "max_ctx": r.max_ctx} for r in plan.sweep],
         "llama_cpp_flags": llama_cpp_flags(plan),
+        "preference": plan.preference,
+        "menu": [{"ctx": e.n_ctx, "kv_type": e.kv_type, "parallel": e.n_parallel, "n_gpu_layers": e.n_gpu_layers,
+                  "n_cpu_moe": e.n_cpu_moe, "decode_tok_s": round(e.decode_tok_s, 3),
+                  "decode_tok_s_total": round(e.decode_tok_s_total, 3), "prefill_tok_s": round(e.prefill_tok_s, 3),
+                  "gpu_bytes": e.gpu_bytes, "host_bytes": e.host_bytes} for e in plan.menu],
     }
 
 

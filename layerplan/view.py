@@ -91,6 +91,44 @@ def _sweep_table(plan: Plan) -> Table:
     return table
 
 
+MENU_ROWS = 8
+
+
+def menu_rows(plan: Plan) -> list:
+    """The entries shown: those at the plan's parallel count (at most MENU_ROWS, spread over the
+    contexts), and the fastest entry of each other parallel count. --json carries them all."""
+    same = [e for e in plan.menu if e.n_parallel == plan.settings.n_parallel]
+    if len(same) > MENU_ROWS:
+        step = (len(same) - 1) / (MENU_ROWS - 1)
+        same = [same[round(i * step)] for i in range(MENU_ROWS)]
+    others = {}
+    for e in plan.menu:
+        if e.n_parallel != plan.settings.n_parallel and (
+                e.n_parallel not in others or e.decode_tok_s > others[e.n_parallel].decode_tok_s):
+            others[e.n_parallel] = e
+    return same + [others[k] for k in sorted(others)]
+
+
+def _menu_table(plan: Plan) -> Table:
+    s = plan.settings
+    title = (f"Menu: trade-offs that fit (decode with {s.n_ctx // 2} tokens cached per sequence; "
+             f"--prefer speed|context|parallel picks one; --json has all {len(plan.menu)})")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    moe = any(e.n_cpu_moe for e in plan.menu)
+    columns = ["ctx", "KV", "seqs", "-ngl"] + (["experts in RAM"] if moe else []) + [
+        "decode tok/s", "prefill tok/s", "GPU GiB", "RAM GiB"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for e in menu_rows(plan):
+        current = (e.n_ctx, e.kv_type, e.n_parallel, e.n_gpu_layers, e.n_cpu_moe) == (
+            s.n_ctx, s.kv.name, s.n_parallel, plan.n_gpu_layers, plan.n_cpu_moe)
+        cells = [_tokens(e.n_ctx), e.kv_type, str(e.n_parallel), str(e.n_gpu_layers)]
+        cells += [str(e.n_cpu_moe)] if moe else []
+        cells += [_speed(e.decode_tok_s), _speed(e.prefill_tok_s), _gib(e.gpu_bytes), _gib(e.host_bytes)]
+        table.add_row(*[f"[bold reverse]{c}[/bold reverse]" if current else c for c in cells])
+    return table
+
+
 def _sources(plan: Plan) -> str:
     return "; ".join(f"{u.device.name} {u.device.source}" for u in plan.usage)
 
@@ -119,4 +157,6 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(_sweep_table(plan))
     elif plan.sweep:
         console.print(f"[bold]Largest context that fits:[/bold] {plan.sweep[0].max_ctx} tokens per sequence")
+    if plan.menu:
+        console.print(_menu_table(plan))
     console.print(f"[bold]llama.cpp:[/bold] {shlex.join(llama_cpp_flags(plan))}", highlight=False)

@@ -62,9 +62,14 @@ def plan(
     ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per sequence, in tokens "
                                                "[default: min(trained, 4096), lowered if it does not fit].",
                                                show_default=False)] = None,
-    parallel: Annotated[int, typer.Option("--parallel", "-np", help="Sequences decoding together, each with "
-                                          "--ctx tokens of KV cache.")] = 1,
-    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type: f16, bf16, q8_0 (int8), fp8, q4_0, ...")] = "f16",
+    parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoding together, each "
+                                                    "with --ctx tokens of KV cache [default: 1].",
+                                                    show_default=False)] = None,
+    kv_type: Annotated[Optional[str], typer.Option("--kv-type", help="KV cache type: f16, bf16, q8_0 (int8), fp8, "
+                                                   "q4_0, ... [default: f16].", show_default=False)] = None,
+    prefer: Annotated[Optional[str], typer.Option("--prefer", help="Take the menu's entry with the best: speed, "
+                                                  "context or parallel (of what --ctx, --kv-type and --parallel "
+                                                  "leave free).", show_default=False)] = None,
     batch: Annotated[int, typer.Option("--batch", help="Prompt tokens per prefill step (llama.cpp's -ub).")] = 512,
     vram: Annotated[Optional[list[str]], typer.Option("--vram", help="Plan for a GPU with this much free memory "
                                                       "(repeat for several GPUs), e.g. 24GiB.", show_default=False)] = None,
@@ -88,8 +93,12 @@ def plan(
     from layerplan import calibrate
     from layerplan.units import parse_bytes
 
+    from layerplan.frontier import PREFERENCES, plan_menu
+
     if emit is not None and emit not in EMIT_TARGETS:
         raise UserError(f"--emit takes {' or '.join(EMIT_TARGETS)}, not '{emit}'")
+    if prefer is not None and prefer not in PREFERENCES:
+        raise UserError(f"--prefer takes {', '.join(PREFERENCES)}, not '{prefer}'")
     n_gpu_layers = _auto_or_int("--gpu-layers", gpu_layers)
     n_cpu_moe = _auto_or_int("--n-cpu-moe", cpu_moe)
     profile = load_profile(model)
@@ -103,9 +112,9 @@ def plan(
             typer.echo(f"measured: host {calibration.host_bandwidth / 1e9:.1f} GB/s, {calibration.host_flops / 1e9:.0f} "
                        f"GFLOP/s; {len(calibration.gpus)} GPU(s); saved to {saved}", err=True)
         machine = layerplan.build_machine(vram=vram, gpu=gpu, ram=ram, calibration=calibration)
-        result = layerplan.plan(profile, machine, n_ctx=ctx, n_parallel=parallel, kv_type=kv_type,
-                                n_ubatch=batch, margin_bytes=parse_bytes(margin), n_gpu_layers=n_gpu_layers,
-                                kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens, n_cpu_moe=n_cpu_moe)
+        result = plan_menu(profile, machine, preference=prefer, n_ctx=ctx, n_parallel=parallel, kv_type=kv_type,
+                           n_ubatch=batch, margin_bytes=parse_bytes(margin), n_gpu_layers=n_gpu_layers,
+                           kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens, n_cpu_moe=n_cpu_moe)
     except ValueError as err:  # PlanError, bad sizes, unknown presets or KV types
         raise UserError(str(err)) from None
 
