@@ -32,6 +32,8 @@ def llama_cpp_flags(plan: Plan) -> list[str]:
         flags += ["-ts", ",".join(str(n) for n in split)]
     if not s.kv_offload:
         flags.append("-nkvo")
+    if plan.threads is not None:
+        flags += ["-t", str(plan.threads.recommended)]
     return flags
 
 

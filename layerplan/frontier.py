@@ -142,12 +142,26 @@ def prefer(entries: list[MenuEntry], preference: str) -> MenuEntry | None:
 def plan_menu(profile: ModelProfile, machine: Machine, *, preference: str | None = None, n_ctx: int | None = None,
               n_parallel: int | None = None, kv_type: str | None = None, n_gpu_layers: int | None = None,
               n_cpu_moe: int | None = None, prompt_tokens: int | None = None, **options):
-    """`plan()` with the menu: None for n_ctx, n_parallel or kv_type means that axis is free on the
-    menu (and planned at its default); with `preference`, the plan is the menu's pick."""
-    from layerplan.planner import plan
-    from layerplan.settings import DEFAULT_PROMPT_TOKENS
+    """`plan()` with the menu, as `localrun plan` runs it: None for n_ctx, n_parallel or kv_type means
+    that axis is free on the menu (and planned at its default); with `preference`, the plan is the
+    menu's pick. Described memory no plan can use (--vram below the margin) and pins whose KV cache
+    alone exceeds the machine raise PlanError (exit 2), where plan() would return an unfit plan."""
+    from layerplan.planner import check_machine, check_pins_can_fit, plan
+    from layerplan.settings import DEFAULT_CTX, DEFAULT_MARGIN, DEFAULT_PROMPT_TOKENS
 
     prompt_tokens = prompt_tokens or DEFAULT_PROMPT_TOKENS
+    margin = options.get("margin_bytes", DEFAULT_MARGIN)
+    check_machine(machine, margin)
+    pins_given = [f"{flag} {value}" for flag, value in (("--ctx", n_ctx), ("--parallel", n_parallel),
+                                                         ("--kv-type", kv_type)) if value is not None]
+    if pins_given:
+        try:
+            asked = PlanSettings(n_ctx=n_ctx or min(profile.n_ctx_train, DEFAULT_CTX), n_parallel=n_parallel or 1,
+                                 kv_type=kv_type or "f16", margin_bytes=margin)
+        except ValueError:
+            asked = None  # plan() says what is wrong with the values
+        if asked is not None:
+            check_pins_can_fit(profile, machine, asked, pins_given)
     pins = dict(n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, prompt_tokens=prompt_tokens, **options)
     first = plan(profile, machine, n_ctx=n_ctx, n_parallel=n_parallel or 1, kv_type=kv_type or "f16", **pins)
     pinned = frozenset(axis for axis, value in (("ctx", n_ctx), ("kv_type", kv_type), ("parallel", n_parallel))

@@ -19,6 +19,7 @@ from layerplan.model_profile import ModelProfile
 from layerplan.placement import DeviceUsage, LayerSizes, Placement, place
 from layerplan.settings import DEFAULT_CTX, DEFAULT_MARGIN, DEFAULT_PROMPT_TOKENS, DEFAULT_UBATCH, PlanSettings
 from layerplan.speed import Predicted, predict
+from layerplan.units import format_bytes as fb
 
 TIE = 0.01            # decode speeds this close count as equal; the plan with more GPU layers wins
 MIN_AUTO_CTX = 256    # an unpinned context is halved down to this when the default does not fit
@@ -68,6 +69,7 @@ class Plan:
     auto: bool             # n_gpu_layers was chosen by the planner, not pinned
     menu: tuple = ()       # the Pareto menu of trade-offs (layerplan.frontier.MenuEntry), when asked for
     preference: str | None = None  # --prefer speed|context|parallel, when the plan is the menu's pick
+    threads: object = None # layerplan.threads.ThreadAdvice for this machine, when asked for
 
     @property
     def n_gpu_layers(self) -> int:
@@ -169,6 +171,37 @@ def _pinned_moe(profile: ModelProfile, n_cpu_moe: int | None, notes: list[str]) 
     if n_cpu_moe > profile.n_layers:
         notes.append(f"--n-cpu-moe {n_cpu_moe} means all {profile.n_layers} layers' experts (--cpu-moe).")
     return min(n_cpu_moe, profile.n_layers)
+
+
+MAX_DEVICE_BYTES = 1 << 42  # 4 TiB: more than any GPU or desktop has; a bigger --vram or --ram is a typo
+
+
+def check_machine(machine: Machine, margin_bytes: int) -> None:
+    """Memory sizes a user described (--vram, --ram) that no plan could use: one sentence each."""
+    described = [(f"--vram {fb(g.free_bytes)}", g) for g in machine.gpus if g.index is None]
+    if "--ram" in machine.host.source:
+        described.append((f"--ram {fb(machine.host.free_bytes)}", machine.host))
+    for flag, device in described:
+        if device.free_bytes > MAX_DEVICE_BYTES:
+            raise PlanError(f"{flag} is more memory than any {device.kind.upper()} has; write the size like 24GiB")
+        if device.free_bytes <= margin_bytes:
+            raise PlanError(f"{flag} leaves nothing once the {fb(margin_bytes)} margin is kept free; give the "
+                            "device's free memory (more than the margin) or lower --margin")
+
+
+def check_pins_can_fit(profile: ModelProfile, machine: Machine, settings: PlanSettings, pinned: list[str]) -> None:
+    """Pins (context, parallel count, KV type) whose KV cache alone exceeds all of the machine's
+    memory (every GPU and the host, less margins) fit in no placement and with no weights at all.
+    (A pin that fits some other way, with fewer GPU layers or a smaller context, gives a plan that
+    does not fit and says what to change, instead.)"""
+    if not pinned:
+        return
+    kv = sum(LayerSizes(profile, settings).kv)
+    everything = sum(max(0, d.free_bytes - settings.margin_bytes) for d in machine.devices)
+    if kv > everything:
+        raise PlanError(f"{' '.join(pinned)} can never fit: its KV cache alone ({fb(kv)} at {settings.kv.name}) is "
+                        f"more than the {fb(everything)} this machine has in all (GPUs and RAM, less margins); lower "
+                        "--ctx or --parallel, or use a smaller --kv-type")
 
 
 def _evaluate(profile: ModelProfile, machine: Machine, settings: PlanSettings, prompt_tokens: int,

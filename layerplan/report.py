@@ -55,6 +55,10 @@ def plan_to_dict(plan: Plan) -> dict:
                    "max_ctx": r.max_ctx} for r in plan.sweep],
         "llama_cpp_flags": llama_cpp_flags(plan),
         "preference": plan.preference,
+        "threads": None if plan.threads is None else {
+            "recommended": plan.threads.recommended, "physical_cores": plan.threads.physical_cores,
+            "logical_cores": plan.threads.logical_cores, "load_1m": round(plan.threads.load_1m, 2),
+            "busy_cores": plan.threads.busy_cores},
         "menu": [{"ctx": e.n_ctx, "kv_type": e.kv_type, "parallel": e.n_parallel, "n_gpu_layers": e.n_gpu_layers,
                   "n_cpu_moe": e.n_cpu_moe, "decode_tok_s": round(e.decode_tok_s, 3),
                   "decode_tok_s_total": round(e.decode_tok_s_total, 3), "prefill_tok_s": round(e.prefill_tok_s, 3),

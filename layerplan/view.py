@@ -151,6 +151,9 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(f"[bold]Predicted:[/bold] decode {p.decode_tok_s:.1f} tok/s per sequence{parallel} with "
                   f"{p.decode_context} tokens cached; prefill {p.prefill_tok_s:.0f} tok/s; time to first token "
                   f"{p.ttft_s:.2f} s for a {p.prompt_tokens}-token prompt")
+    if plan.threads is not None:
+        console.print(f"[bold]Threads:[/bold] {plan.threads.reason} (chat and serve -t; llama.cpp -t "
+                      f"{plan.threads.recommended})", highlight=False)
     for reason in plan.reasons:
         console.print(f" - {reason}", highlight=False)
     if len(plan.sweep) > 1:

@@ -117,6 +117,10 @@ def plan(
                            kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens, n_cpu_moe=n_cpu_moe)
     except ValueError as err:  # PlanError, bad sizes, unknown presets or KV types
         raise UserError(str(err)) from None
+    from dataclasses import replace
+
+    from layerplan.threads import advise_threads
+    result = replace(result, threads=advise_threads())
 
     if emit == "llama-server":
         typer.echo(layerplan.llama_server_command(result))
