@@ -7,10 +7,18 @@ own kernels, so a dtype the CPU only emulates shows up as slow), else numpy's BL
 GPU (only with a CUDA build of torch):
 device memory bandwidth (a large copy), f16 matmul throughput, and host-to-device bandwidth
 over PCIe from pinned memory. Results are stored as JSON under $LOCALRUN_HOME/layerplan/ with a
-fingerprint of the machine, and ignored when the fingerprint no longer matches.
+fingerprint of the machine (CPU model and flags, cores, RAM, GPUs and driver, localrun's version),
+and ignored when the fingerprint no longer matches.
+
+Timings taken while other work runs describe that moment, not the machine: the 1-minute load
+average is recorded before and after measuring, and a calibration that started with more than
+QUIET_LOAD runnable tasks (or ended with more than our own threads on top of that) is `suspect`:
+`save` refuses it and the caller says so in one line.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -22,6 +30,7 @@ from pathlib import Path
 from layerplan.devices import Device, Machine
 
 CALIBRATION_FILE = "calibration.json"
+QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,14 @@ class Calibration:
     threads: int = 0
     gpus: tuple[GPUCalibration, ...] = ()
     measured_at: str = ""
+    load_before: float = 0.0         # 1-minute load average when measuring began
+    load_after: float = 0.0          # and when it ended (our own threads included)
+    suspect: bool = False            # taken with other work on the CPU: not saved, not to be trusted
+
+    @property
+    def load_note(self) -> str:
+        return (f"1-minute load {self.load_before:.1f} before and {self.load_after:.1f} after measuring, "
+                f"on {os.cpu_count()} CPUs")
 
 
 def default_cache_dir() -> Path:
@@ -63,10 +80,59 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_flags() -> str:
+    """A short digest of the CPU's feature flags (AVX2, AVX-512, AMX...): kernels dispatch on them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _gpu_driver() -> str:
+    """The NVIDIA driver version through NVML, '' without one."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # no pynvml, no driver, no GPU: nothing to key on
+        return ""
+
+
+def _localrun_version() -> str:
+    try:
+        return importlib.metadata.version("localrun")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def fingerprint(machine: Machine) -> str:
-    """What must stay the same for old measurements to still describe this machine."""
+    """What must stay the same for old measurements to still describe this machine: the CPU model
+    and its flags, cores and RAM, the GPUs and their driver, and the localrun version measured with."""
     gpus = ",".join(f"{g.index}:{g.name}" for g in machine.gpus if g.index is not None)
-    return f"{_cpu_model()}|{os.cpu_count()}|{round(machine.host.total_bytes / 2**30)}GiB|{gpus}"
+    driver = _gpu_driver() if gpus else ""
+    return (f"{_cpu_model()}|flags {_cpu_flags()}|{os.cpu_count()}|{round(machine.host.total_bytes / 2**30)}GiB|"
+            f"{gpus}|driver {driver}|localrun {_localrun_version()}")
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def is_suspect(load_before: float, load_after: float, threads: int) -> bool:
+    """Other work ran while measuring: more than QUIET_LOAD tasks before we began, or more than our
+    own `threads` (plus QUIET_LOAD) by the end."""
+    return load_before > QUIET_LOAD or load_after > threads + QUIET_LOAD
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -215,12 +281,21 @@ def measure_gpus(repeats: int = 5) -> tuple[GPUCalibration, ...]:
 
 
 def measure(machine: Machine, dtype: str = "f32", threads: int | None = None) -> Calibration:
-    """Measure this machine: the host in `dtype`, and its CUDA GPUs when a CUDA torch is installed."""
-    return Calibration(fingerprint=fingerprint(machine), **measure_host(dtype, threads), gpus=measure_gpus(),
-                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    """Measure this machine: the host in `dtype`, and its CUDA GPUs when a CUDA torch is installed;
+    the load average before and after decides whether the result is `suspect`."""
+    before = load_average()
+    host = measure_host(dtype, threads)
+    gpus = measure_gpus()
+    after = load_average()
+    return Calibration(fingerprint=fingerprint(machine), **host, gpus=gpus,
+                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), load_before=before, load_after=after,
+                       suspect=is_suspect(before, after, host.get("threads") or 1))
 
 
-def save(calibration: Calibration, cache_dir: Path | None = None) -> Path:
+def save(calibration: Calibration, cache_dir: Path | None = None) -> Path | None:
+    """Write the calibration for later plans; None (nothing written) when it is suspect."""
+    if calibration.suspect:
+        return None
     path = (cache_dir or default_cache_dir()) / CALIBRATION_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(calibration), indent=2) + "\n")
@@ -235,7 +310,9 @@ def load(machine: Machine, cache_dir: Path | None = None) -> Calibration | None:
         calibration = Calibration(**{**raw, "gpus": tuple(GPUCalibration(**g) for g in raw.get("gpus", ()))})
     except (OSError, ValueError, TypeError):
         return None
-    return calibration if calibration.fingerprint == fingerprint(machine) else None
+    if calibration.suspect or calibration.fingerprint != fingerprint(machine):
+        return None
+    return calibration
 
 
 def _calibrated_gpu(gpu: Device, measured: dict[int, GPUCalibration]) -> Device:
@@ -253,5 +330,5 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    matmul_overhead_s=calibration.host_matmul_overhead_s,
                    layer_overhead_s=(machine.host.layer_overhead_s if calibration.host_layer_overhead_s is None
                                      else calibration.host_layer_overhead_s),
-                   source=f"measured {calibration.dtype}")
+                   source=f"measured {calibration.dtype}" + (", suspect: taken under load" if calibration.suspect else ""))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

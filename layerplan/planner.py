@@ -70,6 +70,7 @@ class Plan:
     menu: tuple = ()       # the Pareto menu of trade-offs (layerplan.frontier.MenuEntry), when asked for
     preference: str | None = None  # --prefer speed|context|parallel, when the plan is the menu's pick
     threads: object = None # layerplan.threads.ThreadAdvice for this machine, when asked for
+    ledger: object = None  # layerplan.ledger.Ledger: the memory as localrun's engine holds it, when asked for
 
     @property
     def n_gpu_layers(self) -> int:

@@ -55,6 +55,9 @@ def plan_to_dict(plan: Plan) -> dict:
                    "max_ctx": r.max_ctx} for r in plan.sweep],
         "llama_cpp_flags": llama_cpp_flags(plan),
         "preference": plan.preference,
+        "ledger": None if plan.ledger is None else [
+            {"device": plan.ledger.devices[i.device].name, "device_index": i.device, "what": i.what,
+             "bytes": i.n_bytes, "mapped": i.mapped} for i in plan.ledger.items],
         "threads": None if plan.threads is None else {
             "recommended": plan.threads.recommended, "physical_cores": plan.threads.physical_cores,
             "logical_cores": plan.threads.logical_cores, "load_1m": round(plan.threads.load_1m, 2),

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from layerplan.emit import llama_cpp_flags
 from layerplan.planner import Plan, SweepRow
-from layerplan.units import GiB
+from layerplan.units import GiB, MiB
 from layerplan.units import format_bytes as fb
 
 SWEEP_COLUMNS = 11
@@ -129,6 +129,22 @@ def _menu_table(plan: Plan) -> Table:
     return table
 
 
+def _ledger_table(plan: Plan) -> Table:
+    table = Table(title="Memory ledger: what localrun's engine holds, per device (MiB)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("device", "part", "MiB"):
+        table.add_column(column, justify="right" if column == "MiB" else "left")
+    for k, (device, items) in enumerate(plan.ledger.by_device()):
+        if not items:
+            continue
+        for i, item in enumerate(items):
+            table.add_row(device.name if i == 0 else "", item.what, f"{item.n_bytes / MiB:,.1f}")
+        mapped = plan.ledger.device_bytes(k, mapped=True)
+        note = f" ({mapped / MiB:,.1f} of it file-backed)" if mapped else ""
+        table.add_row("", f"[bold]total{note}[/bold]", f"[bold]{plan.ledger.device_bytes(k) / MiB:,.1f}[/bold]")
+    return table
+
+
 def _sources(plan: Plan) -> str:
     return "; ".join(f"{u.device.name} {u.device.source}" for u in plan.usage)
 
@@ -160,6 +176,8 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(_sweep_table(plan))
     elif plan.sweep:
         console.print(f"[bold]Largest context that fits:[/bold] {plan.sweep[0].max_ctx} tokens per sequence")
+    if plan.ledger is not None:
+        console.print(_ledger_table(plan))
     if plan.menu:
         console.print(_menu_table(plan))
     console.print(f"[bold]llama.cpp:[/bold] {shlex.join(llama_cpp_flags(plan))}", highlight=False)

@@ -109,8 +109,10 @@ def plan(
             dtype, threads = _engine_compute()
             calibration = calibrate.measure(local, dtype=dtype, threads=threads)
             saved = calibrate.save(calibration)
+            where = (f"saved to {saved}" if saved else f"NOT saved: taken under load ({calibration.load_note}); "
+                     "rerun --measure when the machine is quiet")
             typer.echo(f"measured: host {calibration.host_bandwidth / 1e9:.1f} GB/s, {calibration.host_flops / 1e9:.0f} "
-                       f"GFLOP/s; {len(calibration.gpus)} GPU(s); saved to {saved}", err=True)
+                       f"GFLOP/s; {len(calibration.gpus)} GPU(s); {where}", err=True)
         machine = layerplan.build_machine(vram=vram, gpu=gpu, ram=ram, calibration=calibration)
         result = plan_menu(profile, machine, preference=prefer, n_ctx=ctx, n_parallel=parallel, kv_type=kv_type,
                            n_ubatch=batch, margin_bytes=parse_bytes(margin), n_gpu_layers=n_gpu_layers,
@@ -119,8 +121,10 @@ def plan(
         raise UserError(str(err)) from None
     from dataclasses import replace
 
+    from layerplan.ledger import engine_ledger
     from layerplan.threads import advise_threads
-    result = replace(result, threads=advise_threads())
+    ledger = None if profile.is_moe else engine_ledger(result)  # the engine does not run MoE models
+    result = replace(result, threads=advise_threads(), ledger=ledger)
 
     if emit == "llama-server":
         typer.echo(layerplan.llama_server_command(result))

@@ -1,0 +1,154 @@
+"""The memory ledger of localrun's engine: every part of a plan's memory, per device, as the engine
+holds it (not as the file stores it).
+
+- Weights: on the CPU, a matrix whose type localrun's kernels multiply in place (ENGINE_KERNEL_TYPES)
+  stays in the file's memory map: its pages count as resident once a forward touches them, but
+  they are file-backed, shared with other processes and reclaimable (`mapped`). Every other
+  matrix is copied: dequantized to the compute dtype, or on a GPU packed as int4 (Q4_0/Q4_1/Q4_K:
+  half a byte per value plus a bf16 scale and zero per 32) or int8 (Q8_0: a byte per value plus a
+  bf16 scale per row). Norms and biases are f32 copies. A tied output head on a GPU is a copy of
+  the token table.
+- The KV pool per device: the engine reserves n_parallel x ctx tokens in blocks of 16 with
+  torch.empty, so its pages are committed as tokens are written; the ledger counts the whole
+  pool (what a filled context holds).
+- Compute buffers (layerplan.buffers), the CUDA context on each GPU in use.
+- The tokenizer on the host: llama.cpp's vocabulary (token texts, scores, maps, BPE merge ranks)
+  and localrun's two piece tables. Measured with llama-cpp-python 0.3.36 (2026-12-01): 172 bytes
+  per token and 203 per merge in llama.cpp, 93 per token for the piece tables (SmolLM2-135M:
+  22.5 MB measured; gemma-3-270m: 72.1 MB measured, 68.9 MB from these figures).
+- A draft model (its own weights and KV pool, on the host), and the RAM KV tier (its byte cap).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from layerplan.buffers import CUDA_CONTEXT_BYTES
+from layerplan.ggml_types import GGML_TYPES_BY_NAME
+from layerplan.gguf_header import GGUFHeader, LongArray, TensorInfo, read_header
+from layerplan.kv_cache import layer_kv_tokens
+from layerplan.model_profile import ModelProfile
+
+# GGML types localrun's compiled kernels multiply in place (localrun/kernels KERNEL_TYPES)
+ENGINE_KERNEL_TYPES = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"})
+INT4_TYPES, INT8_TYPES = frozenset({"q4_0", "q4_1", "q4_k"}), frozenset({"q8_0"})
+GROUP = 32
+TOKENIZER_BYTES_PER_TOKEN = 172 + 93   # llama.cpp's vocabulary + localrun's piece tables
+TOKENIZER_BYTES_PER_MERGE = 203
+KV_BLOCK_SIZE = 16
+F32 = 4
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    dtype_bytes: int = 4            # the compute dtype (float32 by default: localrun.api.default_dtype)
+    kv_bytes_per_value: float = 4   # the KV pool's element size (the compute dtype unless --kv-type)
+    kernels: bool = True            # localrun's compiled kernels are loaded
+    draft: ModelProfile | None = None
+    ram_kv_tier_bytes: int = 0      # cache_ram: host RAM for evicted prefix blocks
+
+
+@dataclass(frozen=True)
+class LedgerItem:
+    device: int        # index into machine.devices
+    what: str
+    n_bytes: int
+    mapped: bool = False   # file-backed pages of the model file: shared and reclaimable
+
+
+@dataclass(frozen=True)
+class Ledger:
+    devices: tuple        # machine.devices
+    items: tuple[LedgerItem, ...]
+
+    def device_bytes(self, device: int, *, mapped: bool | None = None) -> int:
+        return sum(i.n_bytes for i in self.items if i.device == device and (mapped is None or i.mapped == mapped))
+
+    def by_device(self) -> list[tuple[object, list[LedgerItem]]]:
+        return [(d, [i for i in self.items if i.device == k]) for k, d in enumerate(self.devices)]
+
+
+def _elements(info: TensorInfo) -> int:
+    return math.prod(info.shape)
+
+
+def held_bytes(info: TensorInfo, on_gpu: bool, options: EngineOptions) -> tuple[int, bool]:
+    """(bytes, memory-mapped) of one tensor as localrun's engine holds it on a CPU or a GPU."""
+    kind = next((t.name for t in GGML_TYPES_BY_NAME.values() if t.id == info.type_id), "?")
+    if len(info.shape) < 2 or info.name.endswith(".bias"):
+        return _elements(info) * F32, False
+    n_cols, n_rows = info.shape[0], _elements(info) // info.shape[0]
+    if not on_gpu and options.kernels and kind in ENGINE_KERNEL_TYPES and n_cols % GROUP == 0:
+        return info.n_bytes, True
+    if kind in INT4_TYPES and n_cols % GROUP == 0:
+        return n_rows * n_cols // 2 + n_rows * (n_cols // GROUP) * 2 * 2, False
+    if kind in INT8_TYPES:
+        return n_rows * n_cols + n_rows * 2, False
+    return _elements(info) * options.dtype_bytes, False
+
+
+def _tokenizer_bytes(header: GGUFHeader | None, n_vocab: int) -> int:
+    merges = header.metadata.get("tokenizer.ggml.merges") if header else None
+    n_merges = len(merges) if isinstance(merges, (list, LongArray)) else 0
+    return n_vocab * TOKENIZER_BYTES_PER_TOKEN + n_merges * TOKENIZER_BYTES_PER_MERGE
+
+
+def _weight_items(plan, header: GGUFHeader, options: EngineOptions) -> dict[tuple[int, bool], int]:
+    """{(device, mapped): bytes} of every tensor of the file on the device the plan gives it."""
+    placement, host = plan.placement, len(plan.machine.gpus)
+    totals: dict[tuple[int, bool], int] = {}
+
+    def add(device: int, info: TensorInfo) -> None:
+        n_bytes, mapped = held_bytes(info, device != host, options)
+        totals[(device, mapped)] = totals.get((device, mapped), 0) + n_bytes
+
+    names = {t.name: t for t in header.tensors}
+    for info in header.tensors:
+        if info.name.startswith("blk."):
+            il = int(info.name.split(".")[1])
+            add(placement.layer_devices[il] if il < len(placement.layer_devices) else host, info)
+        elif info.name in ("output.weight", "output_norm.weight", "output_norm.bias", "output.bias"):
+            add(placement.head_device, info)
+        else:
+            add(host, info)  # token_embd and other globals stay in host memory
+    if "output.weight" not in names and "token_embd.weight" in names and placement.head_device != host:
+        add(placement.head_device, names["token_embd.weight"])  # a tied head on a GPU: a copy of the table
+    return totals
+
+
+def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
+    """The ledger of `plan` (layerplan.Plan) for localrun's engine. Weights per tensor when the
+    plan's profile comes from a GGUF file; for a built-in shape, the profile's bytes as stored."""
+    profile, machine, placement, settings = plan.profile, plan.machine, plan.placement, plan.settings
+    host, items = len(machine.gpus), []
+    header = read_header(profile.path) if profile.path else None
+    if header is not None:
+        for (device, mapped), n_bytes in sorted(_weight_items(plan, header, options).items()):
+            items.append(LedgerItem(device, "weights, memory-mapped" if mapped else "weights, copied", n_bytes, mapped))
+    else:
+        for k, usage in enumerate(placement.usage):
+            if usage.weights_bytes:
+                items.append(LedgerItem(k, "weights, as stored", usage.weights_bytes))
+    kv = [0] * len(machine.devices)
+    for il, layer in enumerate(profile.layers):
+        values = layer.n_kv_head * (layer.head_dim_k + layer.head_dim_v)
+        kv[placement.kv_devices[il]] += round(values * options.kv_bytes_per_value
+                                              * layer_kv_tokens(layer, settings.n_ctx, settings.n_parallel))
+    for k, n_bytes in enumerate(kv):
+        if n_bytes:
+            items.append(LedgerItem(k, f"KV pool ({settings.n_ctx} x {settings.n_parallel} tokens)", n_bytes))
+    for k, usage in enumerate(placement.usage):
+        cuda = CUDA_CONTEXT_BYTES if k != host and usage.buffer_bytes else 0
+        if usage.buffer_bytes - cuda:
+            items.append(LedgerItem(k, "compute buffers", usage.buffer_bytes - cuda))
+        if cuda:
+            items.append(LedgerItem(k, "CUDA context", cuda))
+    items.append(LedgerItem(host, "tokenizer (vocabulary and tables)", _tokenizer_bytes(header, profile.n_vocab)))
+    if options.draft is not None:
+        draft = options.draft
+        draft_kv = sum(round(l.n_kv_head * (l.head_dim_k + l.head_dim_v) * options.kv_bytes_per_value
+                             * layer_kv_tokens(l, settings.n_ctx, settings.n_parallel)) for l in draft.layers)
+        items.append(LedgerItem(host, f"draft model {draft.name} (weights and KV)", draft.weight_bytes + draft_kv))
+    if options.ram_kv_tier_bytes:
+        items.append(LedgerItem(host, "RAM KV tier (cap)", options.ram_kv_tier_bytes))
+    return Ledger(machine.devices, tuple(items))

@@ -1,0 +1,99 @@
+"""The memory ledger of localrun's engine: each tensor held as the engine holds it (memory-mapped
+for the CPU kernels' types, packed or dequantized copies otherwise), the KV pool per device,
+buffers, the CUDA context, the tokenizer, a draft model and the RAM KV tier; by hand and
+against gguf-py's reading of the file."""
+import json
+
+import gguf
+import pytest
+from typer.testing import CliRunner
+
+import layerplan
+from layerplan.gguf_header import TensorInfo
+from layerplan.ggml_types import GGML_TYPES_BY_NAME
+from layerplan.ledger import (TOKENIZER_BYTES_PER_MERGE, TOKENIZER_BYTES_PER_TOKEN, EngineOptions,
+                              engine_ledger, held_bytes)
+from layerplan.units import MiB
+from localrun.cli import app
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path / "home"))
+
+
+def info(name, kind, shape):
+    from layerplan.ggml_types import tensor_bytes
+    type_id = GGML_TYPES_BY_NAME[kind].id
+    return TensorInfo(name, shape, type_id, 0, tensor_bytes(type_id, shape))
+
+
+def test_each_tensor_as_the_engine_holds_it():
+    cpu, no_kernels = EngineOptions(), EngineOptions(kernels=False)
+    q4 = info("blk.0.attn_q.weight", "q4_0", (576, 1536))       # 1536 rows of 576 values
+    assert held_bytes(q4, False, cpu) == (1536 * 576 // 32 * 18, True)              # the file's blocks, mapped
+    assert held_bytes(q4, True, cpu) == (1536 * 576 // 2 + 1536 * 18 * 4, False)    # int4 + bf16 scale, zero / 32
+    assert held_bytes(q4, False, no_kernels)[1] is False
+    q8 = info("token_embd.weight", "q8_0", (576, 49152))
+    assert held_bytes(q8, True, cpu) == (49152 * 576 + 49152 * 2, False)            # int8 per row + bf16 scale
+    f16 = info("blk.0.ffn_up.weight", "f16", (64, 128))
+    assert held_bytes(f16, False, cpu) == (64 * 128 * 4, False)                     # dequantized to float32
+    assert held_bytes(f16, False, EngineOptions(dtype_bytes=2)) == (64 * 128 * 2, False)
+    norm = info("blk.0.attn_norm.weight", "f32", (576,))
+    assert held_bytes(norm, True, cpu) == (576 * 4, False)
+
+
+def test_ledger_of_a_file_against_gguf_py(tiny_gguf):
+    path = tiny_gguf("Q8_0", n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320)
+    profile = layerplan.profile_gguf(path)
+    machine = layerplan.build_machine(ram="8GiB", probe_gpus=False)
+    plan = layerplan.plan(profile, machine, n_ctx=256, n_parallel=2, n_gpu_layers=0)
+    ledger = engine_ledger(plan)
+    reader = gguf.GGUFReader(path)
+    matrices = [t for t in reader.tensors if len(t.shape) > 1]
+    vectors = [t for t in reader.tensors if len(t.shape) == 1]
+    got = {i.what: i.n_bytes for i in ledger.items}
+    assert got["weights, memory-mapped"] == sum(int(t.n_bytes) for t in matrices)
+    assert got["weights, copied"] == sum(int(t.n_elements) * 4 for t in vectors)
+    # f32 K and V: 2 layers x 512 token slots x 2 KV heads x (64 + 64) values x 4 bytes
+    assert got["KV pool (256 x 2 tokens)"] == 2 * 512 * 2 * 128 * 4
+    n_merges = len(reader.fields["tokenizer.ggml.merges"].data)
+    assert got["tokenizer (vocabulary and tables)"] == 320 * TOKENIZER_BYTES_PER_TOKEN + n_merges * TOKENIZER_BYTES_PER_MERGE
+    assert ledger.device_bytes(0, mapped=True) == got["weights, memory-mapped"]
+
+
+def test_gpu_layers_are_copied_and_pay_the_cuda_context(tiny_gguf):
+    path = tiny_gguf("Q8_0", n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320)
+    profile = layerplan.profile_gguf(path)
+    machine = layerplan.build_machine(vram=["8GiB"], ram="8GiB", probe_gpus=False)
+    draft = layerplan.profile_builtin("llama2-7b:q4_0")
+    plan = layerplan.plan(profile, machine, n_ctx=256, n_gpu_layers=3)   # both layers and the (tied) head
+    ledger = engine_ledger(plan, EngineOptions(draft=draft, ram_kv_tier_bytes=64 * MiB))
+    gpu = {i.what: i.n_bytes for i in ledger.items if i.device == 0}
+    host = {i.what: i.n_bytes for i in ledger.items if i.device == 1}
+    assert gpu["CUDA context"] == 384 * MiB and "weights, memory-mapped" not in gpu
+    # per layer q,k,v,o (256x256, 2 of 256x128) and gate, up, down (256x512 each) as int8 + a bf16 scale per row,
+    # and the tied head: a GPU copy of the 320 x 256 token table
+    rows_and_cols = [(256, 256), (128, 256), (128, 256), (256, 256), (512, 256), (512, 256), (256, 512)]
+    layer = sum(r * c + 2 * r for r, c in rows_and_cols) + 2 * 256 * 4       # + two f32 norms
+    head = 320 * 256 + 2 * 320 + 256 * 4                                       # + output_norm
+    assert gpu["weights, copied"] == 2 * layer + head
+    assert host["weights, memory-mapped"] == 320 * 256 // 32 * 34              # token_embd stays mapped in RAM
+    assert host["RAM KV tier (cap)"] == 64 * MiB
+    assert host["draft model llama2-7b:q4_0 (weights and KV)"] == draft.weight_bytes + 32 * 256 * 32 * 256 * 4
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from localrun.models import pull
+    return str(pull("smollm2-135m", quiet=True))
+
+
+@pytest.mark.model
+def test_plan_prints_and_carries_the_ledger(smollm2):
+    result = CliRunner().invoke(app, ["plan", smollm2, "--ctx", "1024", "--json"], catch_exceptions=False)
+    data = json.loads(result.output.strip().splitlines()[-1])
+    parts = {i["what"] for i in data["ledger"]}
+    assert {"weights, memory-mapped", "KV pool (1024 x 1 tokens)", "tokenizer (vocabulary and tables)"} <= parts
+    table = CliRunner().invoke(app, ["plan", smollm2, "--ctx", "1024"], catch_exceptions=False).output
+    assert "Memory ledger" in table and "file-backed" in table
