@@ -1,7 +1,6 @@
 """The public Python API: `localrun.LLM`."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -12,17 +11,15 @@ from pathlib import Path
 
 import torch
 
-from localrun.chat_template import render_chat
-from localrun.context_shift import fit_messages, shift_prompt
 from localrun.engine.llm_engine import LLMEngine
 from localrun.errors import UserError
 from localrun.gguf_file import open_gguf
 from localrun.executor import build_model, use_quantized
+from localrun.frontend import FrontEnd, choice_params
 from localrun.model.llama import Transformer
 from localrun.models import resolve_model
 from localrun.runner import SequenceRunner
-from localrun.sampling import SamplingParams, TokenLogprob
-from localrun.text_stream import TextStream
+from localrun.sampling_params import TokenLogprob
 from localrun.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
@@ -172,20 +169,26 @@ class LLM:
 
     # -- tokens ---------------------------------------------------------------------------
     @cached_property
+    def frontend(self) -> FrontEnd:
+        """Prompts to token ids and engine outputs to text (localrun/frontend.py)."""
+        return FrontEnd(Tokenizer(self.model_path), chat_template=self.config.chat_template, n_ctx=self.n_ctx,
+                        n_vocab=self.n_vocab)
+
+    @property
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer(self.model_path)
+        return self.frontend.tokenizer
 
     @property
     def n_vocab(self) -> int:
         return self.config.n_vocab
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special)
+        return self.frontend.tokenize(text, add_special)
 
     def detokenize(self, ids: list[int], special: bool = True) -> str:
         """Text of token ids; control tokens such as <|im_start|> are written out unless
         special=False, so detokenize(tokenize(text)) == text."""
-        return self.tokenizer.decode(self._check_ids(ids), special=special)
+        return self.frontend.detokenize(ids, special)
 
     @cached_property
     def runner(self) -> SequenceRunner:
@@ -204,7 +207,7 @@ class LLM:
     # -- logits ---------------------------------------------------------------------------
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position: float32 (len(ids), n_vocab)."""
-        ids = self._check_ids(ids)
+        ids = self.frontend.check_ids(ids)
         if len(ids) > self.n_ctx:
             raise UserError(f"{len(ids)} tokens do not fit the context of {self.n_ctx}")
         self.reset()
@@ -256,13 +259,13 @@ class LLM:
         plan = self.tool_plan(tools, tool_choice, parallel_tool_calls) if tools else None
         if plan is not None and plan.constraint is not None:
             kwargs["constraint"] = plan.constraint
-        render_tools = plan.tools if plan is not None else None
-        messages, self.last_dropped_messages = self.fit_chat(messages, kwargs.get("max_tokens"), tools=render_tools)
-        ids = self.chat_prompt_ids(messages, tools=render_tools)
+        prompt = self.frontend.chat_ids(messages, max_tokens=kwargs.get("max_tokens"),
+                                        tools=plan.tools if plan is not None else None)
+        self.last_dropped_messages = prompt.num_dropped
         if stream:
-            return self.stream(ids, **kwargs)
-        result = self.generate(ids, **kwargs)
-        result.dropped_messages = self.last_dropped_messages
+            return self.stream(prompt.ids, **kwargs)
+        result = self.generate(prompt.ids, **kwargs)
+        result.dropped_messages = prompt.num_dropped
         if plan is not None and plan.tools:
             content, calls = plan.parse(result.text)
             if calls:
@@ -274,44 +277,29 @@ class LLM:
     def tool_plan(self, tools: list[dict], tool_choice="auto", parallel_tool_calls: bool = True):
         """How a chat with `tools` runs on this model (localrun.tools.ToolPlan); ToolError
         (a UserError naming the field) for tools the template cannot take or an unknown name."""
-        from localrun.tools import ToolPlan
-        return ToolPlan.build(tools, tool_choice, parallel_tool_calls, self.config.chat_template,
-                              self.grammar_compiler)
+        return self.frontend.tool_plan(tools, tool_choice, parallel_tool_calls)
 
-    @cached_property
+    @property
     def grammar_compiler(self):
         """JSON schemas and grammars compiled to token masks for this vocabulary (cached)."""
-        from localrun.grammar import GrammarCompiler
-        return GrammarCompiler(self.tokenizer, self.tokenizer.eog_ids)
+        return self.frontend.grammar_compiler
 
     def constraint(self, json_schema=None, grammar: str | None = None):
-        """The compiled constraint for generate's json_schema= (dict or JSON text) or grammar=.
-        Without either, None, and the compiler (a walk over the vocabulary: 1.6 s for gemma-3's
-        262k tokens) is not built."""
-        if json_schema is None and grammar is None:
-            return None
-        return self.grammar_compiler.from_options(json_schema, grammar)
+        """The compiled constraint for generate's json_schema= (dict or JSON text) or grammar=
+        (None without either)."""
+        return self.frontend.constraint(json_schema, grammar)
 
     def fit_chat(self, messages: list[dict], max_tokens: int | None = None, *,
                  target: int | None = None, tools: list[dict] | None = None) -> tuple[list[dict], int]:
         """(messages that fit, number dropped): the oldest turns go when the prompt plus the
         reply's tokens (max_tokens, at most half the context) would exceed n_ctx. `target`
         (a token count) drops more at once, so that later turns reuse the cached prefix."""
-        if max_tokens is None:
-            max_tokens = SamplingParams().max_tokens
-        reserve = min(max_tokens, self.n_ctx // 2)
-        return fit_messages(messages, lambda m: len(self.chat_prompt_ids(m, tools=tools)), self.n_ctx, reserve,
-                            target=target)
+        prompt = self.frontend.chat_ids(messages, max_tokens=max_tokens, tools=tools, target=target)
+        return prompt.messages, prompt.num_dropped
 
     def chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        tok = self.tokenizer
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        text = render_chat(self.config.chat_template, messages, bos_token=bos, eos_token=eos, tools=tools)
-        # templates that write BOS themselves (or start with it, as ChatML does for SmolLM2)
-        # must not get a second one
-        add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return tok.encode(text, add_special=add_bos)
+        """The token ids of messages through the chat template, as they are (no fitting)."""
+        return self.frontend.render_chat(messages, tools)
 
     @property
     def engine(self) -> LLMEngine:
@@ -331,44 +319,18 @@ class LLM:
                                      output_reserve_tokens=self.admission.output_reserve_tokens)
         return self._engine
 
-    def _params(self, kwargs) -> SamplingParams:
-        kwargs = dict(kwargs)
-        constraint = self.constraint(kwargs.pop("json_schema", None), kwargs.pop("grammar", None))
-        if constraint is not None:
-            if kwargs.get("constraint") is not None:
-                raise UserError("give one of json_schema, grammar and tools that force a call")
-            kwargs["constraint"] = constraint
-        stop = kwargs.pop("stop", None)
-        if stop is not None:
-            kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-        try:
-            return SamplingParams(**kwargs)
-        except TypeError as e:
-            raise UserError(f"unknown generation option: {e}") from None
-
     def _run(self, prompts: list, kwargs, n: int = 1) -> Iterator[tuple[int, str | GenerationResult]]:
         """Run prompts through the engine; yield (prompt index, text piece), and at the end of
         each request (prompt index, GenerationResult). With n > 1, prompts holds each prompt n
         times in a row, and copy i of a seeded prompt samples with seed + i."""
         arrival = time.perf_counter()
-        params = self._params(kwargs)
-        per_prompt = [params if n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i % n)
-                      for i in range(len(prompts))]
-        engine, eog = self.engine, self.tokenizer.eog_ids
-        requests = {}
-        for i, prompt in enumerate(prompts):
-            ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
-            if not ids:
-                raise UserError("the prompt is empty")
-            if self.context_shift:
-                ids, _ = shift_prompt(ids, self.n_ctx, params.max_tokens, self.n_keep)
-            if len(ids) >= self.n_ctx:
-                raise UserError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
-                                f"shorten it or raise --ctx")
-            requests[f"req-{next(self._request_ids)}"] = (i, ids)
-        texts = {rid: TextStream(self.tokenizer, params.stop) for rid in requests}
-        out_ids = {rid: [] for rid in requests}
-        logprobs = {rid: [] for rid in requests}
+        frontend, engine = self.frontend, self.engine
+        params = frontend.sampling_params(kwargs)
+        per_prompt = choice_params(params, n) * (len(prompts) // n)
+        shift = (params.max_tokens, self.n_keep) if self.context_shift else None
+        requests = {f"req-{next(self._request_ids)}": (i, frontend.prompt_ids(prompt, shift=shift))
+                    for i, prompt in enumerate(prompts)}
+        texts = {rid: frontend.request_text(params) for rid in requests}
         try:
             for rid, (i, ids) in requests.items():
                 engine.add_request(rid, ids, per_prompt[i], arrival_time=arrival)
@@ -378,44 +340,21 @@ class LLM:
                     rid = out.seq.request_id
                     if rid not in pending:
                         continue
-                    index, text = requests[rid][0], texts[rid]
-                    if out.token_id is not None and not (out.token_id in eog and not params.ignore_eos):
-                        out_ids[rid].append(out.token_id)
-                        if out.logprob is not None:
-                            logprobs[rid].append(out.logprob)
-                        piece = text.feed(out.token_id)
-                        if piece:
-                            yield index, piece
-                        if text.stopped and not out.finished:
-                            engine.finish_request(rid, "stop")
-                            out = out._replace(finished=True)
                     if out.error is not None:      # this request's sampling failed (the engine went on)
                         raise RuntimeError(f"generation failed: {out.error}")
-                    if out.finished:
+                    index, text = requests[rid][0], texts[rid]
+                    delta = text.feed(out)
+                    if delta.text:
+                        yield index, delta.text
+                    if delta.stop_in_engine:
+                        engine.finish_request(rid, "stop")
+                    if text.finished:
                         pending.discard(rid)
-                        tail = text.finish()
-                        if tail:
-                            yield index, tail
-                        reason = out.seq.finish_reason
-                        finish = "stop" if text.stopped or reason == "stop" else "abort" if reason == "abort" else "length"
-                        yield index, GenerationResult(text.text, out_ids[rid], finish, self._timings(out.seq),
-                                                      logprobs=logprobs[rid] if params.logprobs is not None else None)
+                        done = text.finish(out.seq, unmeasured=0.0)
+                        if done.text:
+                            yield index, done.text
+                        yield index, GenerationResult(text.text, text.token_ids, done.finish_reason, done.timings,
+                                                      logprobs=text.logprobs if params.logprobs is not None else None)
         finally:   # Ctrl-C or an abandoned stream: free the requests' blocks
             for rid in requests:
                 engine.abort(rid)
-
-    @staticmethod
-    def _timings(seq) -> dict:
-        t = seq.timings()
-        computed = t["prompt_tokens"] - (t["cached_tokens"] or 0)
-        t["prefill_tok_s"] = computed / t["prefill_s"] if t.get("prefill_s") else None
-        for key in ("queue_s", "prefill_s", "ttft_s", "decode_tok_s"):
-            t[key] = t[key] or 0.0
-        return t
-
-    def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.n_vocab]
-        if bad:
-            raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
-        return ids

@@ -179,7 +179,7 @@ def test_block_size_is_part_of_the_key(model_path, tmp_path):
     seqs = []
     for block_size in (16, 8, 8):
         engine = LLMEngine(llm.model, num_blocks=128, block_size=block_size, disk_cache=config)
-        seq = engine.add_request("r", PROMPT, llm._params(GREEDY))
+        seq = engine.add_request("r", PROMPT, llm_params())
         while engine.has_unfinished():
             engine.step()
         engine.flush()

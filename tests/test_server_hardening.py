@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import localrun.engine.model_runner as model_runner
-import localrun.server.engine_loop as engine_loop
+import localrun.frontend as frontend
 from localrun.api import LLM
 from localrun.server.app import ServerConfig, create_app
 from localrun.server.guard import AccessPolicy
@@ -363,7 +363,7 @@ def test_a_fault_in_one_request_fails_only_that_request(url, monkeypatch, where)
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, params, generator, recent)
 
-    class FaultyTextStream(engine_loop.TextStream):
+    class FaultyTextStream(frontend.TextStream):
         def __init__(self, tokenizer, stop=()):
             super().__init__(tokenizer, stop)
             self.poisoned = "POISON" in stop
@@ -377,7 +377,7 @@ def test_a_fault_in_one_request_fails_only_that_request(url, monkeypatch, where)
         monkeypatch.setattr(model_runner, "sample", sample)
         poison_body, message = chat("poison", seed=4242, temperature=1), "this request failed: RuntimeError"
     else:
-        monkeypatch.setattr(engine_loop, "TextStream", FaultyTextStream)
+        monkeypatch.setattr(frontend, "TextStream", FaultyTextStream)
         poison_body, message = chat("poison", stop=["POISON"]), "this request failed: UnicodeError"
 
     async def stream(client, body):

@@ -2,8 +2,8 @@
 
 The event loop only moves bytes: a request passes the access policy (guard: Host, Origin,
 Content-Type), its body is read within a size and time limit (json_body), and everything
-heavier (JSON decoding, validation, chat template, tokenization) runs in one worker thread
-(`prepare`). The request then goes to the engine thread (`EngineLoop`) and the handler relays
+heavier (JSON decoding, validation, and the front end's chat template and tokenization) runs
+in one worker thread (`prepare`). The request then goes to the engine thread (`EngineLoop`) and the handler relays
 its events (responses): as SSE chunks (sse-starlette) for streams, as one JSON body otherwise. Every response carries the request's `timings` (queue, prefill, TTFT,
 decode speed, cached prompt tokens); streams carry them in the chunk with the finish reason.
 A client that goes away aborts its request, which frees its KV blocks at the next step.
@@ -24,6 +24,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import FastAPI, Request
@@ -32,8 +33,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localrun.errors import UserError
+from localrun.frontend import ContextLengthExceeded, FrontEnd, choice_params
 from localrun.grammar import GrammarError
-from localrun.sampling import InvalidSamplingParam, SamplingParams
+from localrun.sampling_params import InvalidSamplingParam, SamplingParams
 from localrun.tools import ToolError, ToolPlan
 from localrun.server import DEFAULT_MAX_QUEUE
 from localrun.server.engine_loop import EngineLoop, Event, ServerRequest
@@ -42,6 +44,10 @@ from localrun.server.json_body import ClientGone, decode, read_body
 from localrun.server.metrics import ServerMetrics
 from localrun.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from localrun.server.responses import respond
+
+if TYPE_CHECKING:
+    from localrun.api import LLM
+    from localrun.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("localrun.server")
 
@@ -81,15 +87,15 @@ class Prepared:
 
 
 class Server:
-    """State shared by the handlers: the model, the engine thread, the metrics."""
+    """State shared by the handlers: the front end, the engine thread, the metrics."""
 
-    def __init__(self, llm, config: ServerConfig):
-        self.llm, self.config = llm, config
-        engine = llm.engine
-        self.metrics = ServerMetrics(engine)
-        self.loop = EngineLoop(engine, llm.tokenizer, observer=self.metrics, max_queue=config.max_queue)
+    def __init__(self, engine: LLMEngine, frontend: FrontEnd, config: ServerConfig):
+        self.frontend, self.config = frontend, config
+        self.loop = EngineLoop(engine, frontend, max_queue=config.max_queue)
+        self.metrics = ServerMetrics(self.loop.stats)
+        self.loop.observer = self.metrics
         self.created = int(time.time())
-        self.body_limit = min(config.max_body_bytes, context_body_bytes(llm))
+        self.body_limit = min(config.max_body_bytes, context_body_bytes(frontend))
         self.worker = anyio.CapacityLimiter(1)     # prompt preparation, one request at a time
         self.names_seen: set[str] = set()          # other model names clients used (logged once each)
 
@@ -144,7 +150,7 @@ class Server:
         body = parse(ChatCompletionRequest if chat else CompletionRequest, raw, decode(raw))
         body.refuse_unsupported()
         name = self.check_model(body.model)
-        check_sampling(body, self.llm.n_vocab)       # before the costly part
+        check_sampling(body, self.frontend)       # before the costly part
         try:
             plan = self.tool_plan(body) if chat else None
             constraint = self.constraint(body, plan)
@@ -154,7 +160,11 @@ class Server:
             prompt_ids, dropped = self.chat_prompt(body, plan)
         else:
             prompt_ids, dropped = self.completion_prompt(body), 0
-        params = self.sampling_params(body, prompt_ids)
+        try:
+            max_tokens = self.frontend.reply_room(prompt_ids, body.requested_max_tokens())
+        except UserError as e:
+            raise prompt_error(e, "max_tokens") from None
+        params = SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
         if constraint is not None:
             params = dataclasses.replace(params, constraint=constraint)
         return Prepared(body, name, prompt_ids, dropped, params, plan)
@@ -166,7 +176,7 @@ class Server:
             return None
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
         choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
-        return self.llm.tool_plan(tools, choice, body.parallel_tool_calls)
+        return self.frontend.tool_plan(tools, choice, body.parallel_tool_calls)
 
     def constraint(self, body, plan: ToolPlan | None):
         """The one output constraint the body asks for (schema, grammar, forced tool call)."""
@@ -178,7 +188,7 @@ class Server:
         if not asked:
             return None
         field, kind, source = asked[0]
-        compiler = self.llm.grammar_compiler
+        compiler = self.frontend.grammar_compiler
         if kind == "tools":
             return source
         if kind == "json_object":
@@ -187,39 +197,23 @@ class Server:
             return compiler.json_schema(source, field)
         return compiler.grammar(source, field)
 
-    def sampling_params(self, body, prompt_ids: list[int]) -> SamplingParams:
-        n_ctx, n_prompt = self.llm.n_ctx, len(prompt_ids)
-        if n_prompt >= n_ctx:
-            raise APIError(400, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}; "
-                                "shorten it", code="context_length_exceeded", param="messages")
-        max_tokens = body.requested_max_tokens()
-        room = n_ctx - n_prompt
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            raise APIError(400, f"max_tokens is {max_tokens} but the context of {n_ctx} leaves room for "
-                                f"{room} tokens after the {n_prompt}-token prompt",
-                           code="context_length_exceeded", param="max_tokens")
-        return SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
-
     # --- prompts -------------------------------------------------------------------------
     def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> tuple[list[int], int]:
         """The prompt's token ids, and how many of the oldest messages were left out so that the
         conversation fits the context (system messages and the last turn always stay)."""
         messages = [template_message(m) for m in body.messages]
-        tools = plan.tools if plan is not None else None
         try:
-            messages, dropped = self.llm.fit_chat(messages, body.requested_max_tokens(), tools=tools)
-            return self.llm.chat_prompt_ids(messages, tools=tools), dropped
+            prompt = self.frontend.chat_ids(messages, max_tokens=body.requested_max_tokens(),
+                                            tools=plan.tools if plan is not None else None)
         except UserError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise prompt_error(e, "messages") from None
+        return prompt.ids, prompt.num_dropped
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt = body.single_prompt()
         try:
-            return self.llm.tokenize(prompt) if isinstance(prompt, str) else self.llm._check_ids(prompt)
+            return self.frontend.prompt_ids(body.single_prompt())
         except UserError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            raise prompt_error(e, "prompt") from None
 
     # --- running ---------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str, n: int = 1) -> list[ServerRequest]:
@@ -229,11 +223,9 @@ class Server:
         cached, then they hit the prefix cache)."""
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         events: asyncio.Queue = asyncio.Queue()
-        requests = []
-        for i in range(n):
-            choice_params = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-            requests.append(ServerRequest(request_id if i == 0 else f"{request_id}-{i}", prompt_ids,
-                                          choice_params, asyncio.get_running_loop(), events=events, index=i))
+        requests = [ServerRequest(request_id if i == 0 else f"{request_id}-{i}", prompt_ids, choice,
+                                  asyncio.get_running_loop(), events=events, index=i)
+                    for i, choice in enumerate(choice_params(params, n))]
         if not self.loop.try_submit(requests):
             self.refuse_queue_full()
         return requests
@@ -271,26 +263,31 @@ def template_message(m) -> dict:
     return out
 
 
-def context_body_bytes(llm) -> int:
+def prompt_error(e: UserError, param: str) -> APIError:
+    """A prompt the front end refused, as a 400 naming the field (OpenAI's code when it is too long)."""
+    if isinstance(e, ContextLengthExceeded):
+        return APIError(400, str(e), code="context_length_exceeded", param=e.field)
+    return APIError(400, str(e), param=param)
+
+
+def context_body_bytes(frontend: FrontEnd) -> int:
     """The largest body whose prompt could fit the context (see JSON_BYTES_PER_TEXT_BYTE)."""
-    tokenizer = llm.tokenizer
-    longest = max(len(tokenizer.piece(i, special=True)) for i in range(llm.n_vocab))
-    return llm.n_ctx * max(longest, 1) * JSON_BYTES_PER_TEXT_BYTE + JSON_OVERHEAD_BYTES
+    return frontend.n_ctx * frontend.max_piece_bytes * JSON_BYTES_PER_TEXT_BYTE + JSON_OVERHEAD_BYTES
 
 
-def check_sampling(body, n_vocab: int) -> None:
+def check_sampling(body, frontend: FrontEnd) -> None:
     """The sampling fields' ranges (SamplingParams's rule), as a 400 naming the field."""
     try:
-        params = SamplingParams(**body.sampling_kwargs())
+        frontend.check_logit_bias(SamplingParams(**body.sampling_kwargs()))
     except InvalidSamplingParam as e:
         raise APIError(400, str(e), param=e.field) from None
-    if params.logit_bias and params.logit_bias[-1][0] >= n_vocab:
-        raise APIError(400, f"logit_bias names token id {params.logit_bias[-1][0]}, outside the vocabulary "
-                            f"(0..{n_vocab - 1})", param="logit_bias")
 
 
-def create_app(llm, config: ServerConfig) -> FastAPI:
-    server = Server(llm, config)
+def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
+    """The app serving llm's engine through its front end."""
+    server = Server(llm.engine, llm.frontend, config)
+    model_meta = {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab, "architecture": llm.config.architecture,
+                  "file": llm.model_path.name}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -330,10 +327,10 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = server.loop._thread.is_alive()
+        alive = server.loop.alive
         body = {"status": "ok" if alive else "error", "model": config.model_name,
                 "requests_in_flight": server.loop.num_in_flight,
-                "kv_blocks_used": server.loop.engine.block_manager.num_used_blocks}
+                "kv_blocks_used": server.loop.stats()["num_blocks_used"]}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -351,8 +348,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         server.check_auth(request)
         return {"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": server.created, "owned_by": "localrun",
-            "meta": {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab, "architecture": llm.config.architecture,
-                     "file": llm.model_path.name}}]}
+            "meta": model_meta}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -362,7 +358,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         sreqs = server.submit(p.prompt_ids, p.params, "chatcmpl", p.body.num_choices)
         if p.dropped:
             log.info("%s: dropped the %d oldest messages to fit the context of %d", sreqs[0].request_id, p.dropped,
-                     llm.n_ctx)
+                     server.frontend.n_ctx)
         return await respond(server, request, p.body, sreqs, p.model, chat=True,
                              extra_timings={"dropped_messages": p.dropped}, tool_plan=p.tool_plan)
 

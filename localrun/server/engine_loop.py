@@ -4,9 +4,11 @@ The engine is not thread-safe, so exactly one thread (`EngineLoop._run`) touches
 handlers on the event loop `submit` a `ServerRequest` and read its events from an asyncio
 queue; they `abort` it when the client goes away. The engine thread adds new requests and
 drops aborted ones between steps, runs `engine.step()` while anything is unfinished, turns
-each sampled token into text (stop strings included) and hands the pieces back to the
-event loop with `call_soon_threadsafe`. Torch releases the GIL inside its kernels, so the
-event loop keeps serving while a step runs.
+each sampled token into text through the front end's RequestText (stop strings, end of
+generation, finish reason) and hands the pieces back to the event loop with
+`call_soon_threadsafe`. Torch releases the GIL inside its kernels, so the event loop keeps
+serving while a step runs. The engine's stats are read on the engine thread too: a snapshot
+after every turn of the loop, which /metrics and /health read (`stats`).
 
 The queue is bounded: a request counts as queued from `try_submit` until the engine first
 schedules it (it shows up in a step's outputs) or it ends unscheduled (aborted, refused).
@@ -22,10 +24,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from localrun.errors import UserError
-from localrun.sampling import SamplingParams
-from localrun.text_stream import TextStream
+from localrun.frontend import FrontEnd, RequestText
+from localrun.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from localrun.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("localrun.server")
 
@@ -52,11 +58,9 @@ class ServerRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     # engine-thread state
-    stream: TextStream | None = None
-    num_generated: int = 0
+    text: RequestText | None = None
     last_token_at: float | None = None
     index: int = 0                 # its choice among the request's n (they may share `events`)
-    pending_logprobs: list = field(default_factory=list)
     queued: bool = True            # not yet scheduled by the engine (counts against max_queue)
 
     def put(self, event: Event) -> None:
@@ -74,11 +78,11 @@ class EngineLoop:
     IDLE_WAIT_S = 0.05
     QUEUE_TIME_SMOOTHING = 0.2     # weight of the newest request in the mean queue time
 
-    def __init__(self, engine, tokenizer, observer=None, max_queue: int | None = None):
+    def __init__(self, engine: LLMEngine, frontend: FrontEnd, observer=None, max_queue: int | None = None):
         self.engine = engine
-        self.tokenizer = tokenizer
-        self.eog = frozenset(tokenizer.eog_ids)
+        self.frontend = frontend
         self.observer = observer
+        self._stats = engine.stats()   # the engine thread replaces it (before it starts: no other thread)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -140,10 +144,20 @@ class EngineLoop:
     def num_in_flight(self) -> int:
         return len(self._requests)
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running."""
+        return self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """engine.stats() as the engine thread last took it (after its last step, or while idle)."""
+        return self._stats
+
     # --- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._drain_commands()
+            self._stats = self.engine.stats()
             if not self.engine.has_unfinished():
                 self._wake.wait(self.IDLE_WAIT_S)
                 self._wake.clear()
@@ -180,7 +194,7 @@ class EngineLoop:
                     self.observer.on_abort()
 
     def _add(self, request: ServerRequest) -> None:
-        request.stream = TextStream(self.tokenizer, request.params.stop)
+        request.text = self.frontend.request_text(request.params)
         try:
             self.engine.add_request(request.request_id, request.prompt_ids, request.params,
                                     arrival_time=request.arrival)
@@ -212,40 +226,27 @@ class EngineLoop:
             del self._requests[seq.request_id]
             request.put(Event("error", message=f"this request failed: {out.error}"))
             return
-        params = request.params
-        if out.token_id is not None and not (out.token_id in self.eog and not params.ignore_eos):
-            request.num_generated += 1
+        text = request.text
+        delta = text.feed(out)
+        if delta.token_id is not None:
             if self.observer:
                 self.observer.on_token(None if request.last_token_at is None else now - request.last_token_at)
             request.last_token_at = now
-            if out.logprob is not None:
-                request.pending_logprobs.append(out.logprob)
-            piece = request.stream.feed(out.token_id)
-            if piece:
-                request.put(Event("text", text=piece, logprobs=self._take_logprobs(request)))
-            if request.stream.stopped and not out.finished:
-                self.engine.finish_request(seq.request_id, "stop")
-                out = out._replace(finished=True)
-        if not out.finished:
+            if delta.text:
+                request.put(Event("text", text=delta.text, logprobs=text.take_logprobs()))
+        if delta.stop_in_engine:
+            self.engine.finish_request(seq.request_id, "stop")
+        if not text.finished:
             return
         del self._requests[seq.request_id]
-        tail = request.stream.finish()
-        if tail or request.pending_logprobs:
-            request.put(Event("text", text=tail, logprobs=self._take_logprobs(request)))
-        stopped = request.stream.stopped or seq.finish_reason == "stop"
-        finish = "stop" if stopped else "length"
-        timings = seq.timings()
-        timings["generated_tokens"] = request.num_generated    # as in usage: the end-of-generation token is not text
-        request.put(Event("done", finish_reason=finish, timings=timings,
-                          num_prompt_tokens=seq.num_prompt_tokens,
-                          num_generated_tokens=request.num_generated))
+        done = text.finish(seq)
+        logprobs = text.take_logprobs()
+        if done.text or logprobs:
+            request.put(Event("text", text=done.text, logprobs=logprobs))
+        request.put(Event("done", finish_reason=done.finish_reason, timings=done.timings,
+                          num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=len(text.token_ids)))
         if self.observer:
-            self.observer.on_finish(request, seq, finish, now)
-
-    @staticmethod
-    def _take_logprobs(request: ServerRequest) -> list:
-        out, request.pending_logprobs = request.pending_logprobs, []
-        return out
+            self.observer.on_finish(request, seq, done.finish_reason, now)
 
     def _finish_abort(self, request_id: str, message: str) -> None:
         request = self._requests.pop(request_id)

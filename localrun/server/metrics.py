@@ -2,13 +2,17 @@
 
 Request-level figures (TTFT, inter-token latency, end-to-end, queue time, token counts) are
 observed by the engine thread as requests progress. Engine state (running/waiting, KV blocks,
-prefix-cache counters, preemptions) is read from `engine.stats()` at scrape time by a custom
-collector, so it is never stale; stats the engine gains later (speculation, cache tiers) are
-exported too, as `localrun_engine_<name>`.
+prefix-cache counters, preemptions) comes from `engine.stats()` as the engine thread last took
+it (EngineLoop.stats: after every step, so at most one step old), read at scrape time by a
+custom collector; the scrape itself never touches the engine, which only its own thread may.
+Stats the engine gains later (speculation, cache tiers) are exported too, as
+`localrun_engine_<name>`.
 """
 from __future__ import annotations
 
 import logging
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -46,11 +50,11 @@ ENGINE_METRICS = (
 
 
 class EngineCollector:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
 
     def collect(self):
-        stats = self.engine.stats()
+        stats = self.stats()
         named = set()
         for key, name, kind, doc in ENGINE_METRICS:
             if key not in stats:
@@ -66,7 +70,8 @@ class EngineCollector:
 class ServerMetrics:
     """Also the EngineLoop's observer: it calls on_token/on_finish/on_abort."""
 
-    def __init__(self, engine):
+    def __init__(self, engine_stats: Callable[[], dict]):
+        """engine_stats: the engine's stats, read without touching the engine (EngineLoop.stats)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("localrun_time_to_first_token_seconds", "Arrival to first token.",
@@ -87,7 +92,7 @@ class ServerMetrics:
         self.rejected = Counter("localrun_requests_rejected", "Requests refused with a 503 by reason "
                                 "(queue_full: --max-queue requests were already waiting).", ["reason"], registry=r)
         self.rejected.labels("queue_full")
-        r.register(EngineCollector(engine))
+        r.register(EngineCollector(engine_stats))
 
     def on_token(self, gap_s: float | None) -> None:
         """A request got a token; gap_s is the time since its previous one (None for the first)."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from localrun.sampling import MAX_TOP_LOGPROBS
+from localrun.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 16      # choices per request: each is a sequence in the engine (one prefill, n decodes)
 

@@ -178,7 +178,7 @@ async def respond(server: Server, http_request: Request, body, sreqs: list[Serve
                   chat: bool, extra_timings: dict, tool_plan=None):
     """The response to a submitted request of either endpoint: an SSE stream or one JSON body."""
     created = int(time.time())
-    tokenizer = server.llm.tokenizer
+    tokenizer = server.frontend.tokenizer
     want_logprobs = body.num_logprobs() is not None
 
     def timings(event: Event) -> dict:
@@ -218,7 +218,7 @@ async def stream_events(server: Server, sreqs: list[ServerRequest], body, chat: 
     `shutdown`: the stream then ends with an error event and [DONE] instead of being cut."""
     first = sreqs[0]
     object_name = "chat.completion.chunk" if chat else "text_completion"
-    tokenizer = server.llm.tokenizer
+    tokenizer = server.frontend.tokenizer
     want_logprobs = body.num_logprobs() is not None
     choices = [Choice(i, tool_plan) for i in range(len(sreqs))]
     offsets = [0] * len(sreqs)
