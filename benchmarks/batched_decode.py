@@ -30,18 +30,27 @@ def prompts(llm, n: int, length: int) -> list[list[int]]:
 
 
 def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None = None) -> float:
+    """Tokens generated per second over `steps` engine steps once every prompt is prefilled.
+    The sequences may decode while later prompts are still being prefilled, so each gets a
+    generous max_tokens (they must all still run in the timed steps: checked) and the tokens
+    are counted, not assumed."""
     from localrun.engine.llm_engine import LLMEngine
     from localrun.sampling import SamplingParams
-    engine = LLMEngine(llm.model, max_model_len=len(batch[0]) + steps + 8, max_num_seqs=len(batch),
+    slack = 512
+    engine = LLMEngine(llm.model, max_model_len=len(batch[0]) + steps + slack, max_num_seqs=len(batch),
                        max_num_batched_tokens=2048, enable_prefix_caching=False, kv_type=kv_type)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + slack, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch)]
     while any(not s.generated_token_ids for s in seqs):       # every prompt prefilled
         engine.step()
+    before = sum(len(s.generated_token_ids) for s in seqs)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return len(batch) * steps / (time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(s.generated_token_ids) for s in seqs) - before
+    assert generated == len(batch) * steps, f"{generated} tokens in {steps} steps of {len(batch)} sequences"
+    return generated / seconds
 
 
 class LlamaCppBatch:
@@ -117,7 +126,7 @@ def main():
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
     path = resolve_model(args.model)
-    llm = LLM(path, n_ctx=args.context + args.steps + 8, n_threads=args.threads)
+    llm = LLM(path, n_ctx=args.context + args.steps + 512, n_threads=args.threads)   # bench_localrun's slack
     peer = LlamaCppBatch(path, max(sizes), args.context + args.steps + 8, args.threads)
     work = prompts(llm, max(sizes), args.context)
     bench_localrun(llm, work[:2], 2)                           # warm-up both

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include <immintrin.h>
 #include "vec8.h"
 
 namespace localrun {
@@ -36,6 +37,7 @@ namespace {
 struct RowArgs {
     const float* q;            // (heads, hd): the query heads of this row that share KV head g
     const void *kp, *vp;       // pools (float, half or bfloat16 per Fmt)
+    void (*widen_f16)(float*, const uint16_t*, int64_t);   // n float16 values -> float32 (per ISA)
     const int64_t* table;      // this sequence's block table
     int64_t block_size, n_kv, g, hd, first, L, heads;
     float scale;
@@ -61,24 +63,36 @@ struct Half16 {                    // float16 or bfloat16 values, stored as 16-b
                                            float* buf, int64_t& stride) {
         const int64_t hd = a.hd, src_stride = a.n_kv * hd;
         const uint16_t* src = static_cast<const uint16_t*>(pool) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd;
-        for (int64_t r = 0; r < n; r++, src += src_stride) {
-            int64_t i = 0;
-            for (; i + 8 <= hd; i += 8) store8(buf + r * hd + i, Widen::load8(src + i));
-            for (; i < hd; i++) buf[r * hd + i] = Widen::one(src[i]);
-        }
+        for (int64_t r = 0; r < n; r++, src += src_stride) Widen::row(a, buf + r * hd, src, hd);
         stride = hd;
         return buf;
     }
 };
 
-struct WidenF16 {     // exact: the 15 magnitude bits moved into a float, scaled by 2^112; inf/NaN kept
-    ALWAYS_INLINE static v8 load8(const uint16_t* p) { return half8(p); }
-    static float one(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+struct WidenF16 {     // through the kernel's ISA's converter (vcvtph2ps where F16C exists)
+    ALWAYS_INLINE static void row(const RowArgs& a, float* dst, const uint16_t* src, int64_t n) { a.widen_f16(dst, src, n); }
 };
 struct WidenBF16 {    // exact: the 16 bits are the float's upper half
-    ALWAYS_INLINE static v8 load8(const uint16_t* p) { return bf16x8(p); }
-    static float one(uint16_t h) { return static_cast<float>(c10::BFloat16(h, c10::BFloat16::from_bits())); }
+    ALWAYS_INLINE static void row(const RowArgs&, float* dst, const uint16_t* src, int64_t n) {
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) store8(dst + i, bf16x8(src + i));
+        for (; i < n; i++) dst[i] = static_cast<float>(c10::BFloat16(src[i], c10::BFloat16::from_bits()));
+    }
 };
+
+// float16 -> float32, exact either way: F16C's vcvtph2ps, or half8's bit arithmetic without it.
+__attribute__((target("avx,f16c"))) void widen_f16_f16c(float* dst, const uint16_t* src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < n; i++) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+}
+void widen_f16_bits(float* dst, const uint16_t* src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst + i, half8(src + i));
+    for (; i < n; i++) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+}
+
 using F16 = Half16<WidenF16>;
 using BF16 = Half16<WidenBF16>;
 
@@ -244,17 +258,22 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const RowArgs& a, PoolType 
 void attend_base(const RowArgs& a, PoolType t) { attend_any(a, t); }
 
 using RowKernel = void (*)(const RowArgs&, PoolType);
+struct Kernels {
+    RowKernel attend;
+    void (*widen_f16)(float*, const uint16_t*, int64_t);
+};
 
 // AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA forces a narrower kernel.
-RowKernel row_kernel() {
-    static const RowKernel chosen = [] {
+const Kernels& kernels() {
+    static const Kernels chosen = [] {
         const char* env = std::getenv("LOCALRUN_ISA");
         const std::string forced = env ? env : "";
         __builtin_cpu_init();
         const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-        if (forced == "ref" || !avx2) return &attend_base;
-        return avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2;
+        if (forced == "ref" || !avx2) return Kernels{&attend_base, &widen_f16_bits};
+        // every AVX2 CPU has F16C
+        return Kernels{avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2, &widen_f16_f16c};
     }();
     return chosen;
 }
@@ -315,7 +334,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     float* op = out.data_ptr<float>();
     const float scale = 1.0f / std::sqrt((float)hd);
     const int64_t group = H / n_kv;
-    const RowKernel attend = row_kernel();
+    const Kernels& chosen = kernels();
     // Tasks: (row, KV head, slice of its query heads). The heads of a KV head stay in one task
     // unless there are too few tasks for the threads (one decode row of a model with one or two
     // KV heads): then they are split, each slice reading the keys and values on its own.
@@ -334,9 +353,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                 TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
                             "localrun::paged_attention: block table entry out of range");
             scratch.resize(heads * (L - first + 8 + hd) + block_size * hd);
-            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, table, block_size, n_kv, g, hd, first, L, heads, scale,
+            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, table, block_size, n_kv, g, hd, first, L, heads, scale,
                                scratch.data(), op + (t * H + h0) * hd};
-            attend(args, type);
+            chosen.attend(args, type);
         }
     });
     return out;
