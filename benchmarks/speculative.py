@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from localrun import LLM
-    from localrun.engine.draft_model import load_speculative
+    from localrun.api import load_speculative
     from localrun.engine.speculative import SpeculativeConfig
     llm = LLM(args.model, n_ctx=2048, n_threads=args.threads)
     _, draft = load_speculative(args.draft, target=llm.model, target_tokenizer=lambda: llm.tokenizer,

@@ -130,7 +130,6 @@ class LLM:
         self._engine: LLMEngine | None = None
         self._request_ids = itertools.count()
         self.verbose = verbose
-        from localrun.engine.draft_model import load_speculative
         self.speculative, self.draft_model = load_speculative(
             None if speculative is None else str(speculative), target=self.model,
             target_tokenizer=lambda: self.tokenizer, dtype=self.dtype, n_ctx=self.n_ctx, quantized=self.quantized,
@@ -358,3 +357,31 @@ class LLM:
         finally:   # Ctrl-C or an abandoned stream: free the requests' blocks
             for rid in requests:
                 engine.abort(rid)
+
+
+def load_speculative(spec: str | None, *, target: Transformer, target_tokenizer, dtype: torch.dtype, n_ctx: int,
+                     quantized: bool = False, num_speculative_tokens: int = 4, adaptive: bool = True):
+    """(SpeculativeConfig or None, draft Transformer or None) for LLM(speculative=spec):
+    None (off), "ngram" (prompt lookup), "self:N" (the target's first N layers as the draft),
+    or a draft model's .gguf path or catalog name, whose vocabulary must be the target's
+    (target_tokenizer: a function returning the target's Tokenizer, loaded only if needed).
+    A draft model file is resolved, opened and built here, like the target (quantized or not,
+    placed by layerplan): the engine gets a built model."""
+    from localrun.engine.draft_model import check_vocab_compatible, self_draft
+    from localrun.engine.speculative import SpeculativeConfig
+    if not spec:
+        return None, None
+    if spec == "ngram":
+        return SpeculativeConfig("ngram", num_speculative_tokens, adaptive), None
+    config = SpeculativeConfig("draft", num_speculative_tokens, adaptive)
+    if spec.startswith("self:"):
+        try:
+            num_layers = int(spec[len("self:"):])
+        except ValueError:
+            raise UserError(f"Write a self-draft as self:N with N a number of layers, got {spec!r}.") from None
+        return config, self_draft(target, num_layers)
+    path = resolve_model(spec)
+    draft_tokenizer = Tokenizer(path)
+    pieces = lambda tok: [tok.piece(i, special=True) for i in range(tok.n_vocab)]   # noqa: E731
+    check_vocab_compatible(pieces(target_tokenizer()), pieces(draft_tokenizer), path.name)
+    return config, build_model(open_gguf(path), n_ctx=n_ctx, dtype=dtype, quantized=quantized)

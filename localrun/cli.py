@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from localrun.cli_cache import cache_app
+from localrun.cli_options import speculative_options
 from localrun.cli_plan import plan
 from localrun.cli_tune import tune
 from localrun.cli_bench import bench
@@ -44,15 +45,6 @@ DraftModelOpt = typer.Option(None, "--draft-model", help="Speculative decoding w
                              "path, a catalog name (same vocabulary), or self:N (the model's first N layers).")
 SpecOpt = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram (prompt lookup).")
 DraftMaxOpt = typer.Option(4, "--draft-max", help="The most tokens drafted per step (speculation adapts below it).")
-
-
-def _speculative(draft_model: str | None, spec: str | None) -> dict:
-    """LLM options for --draft-model / --spec (one of them at most)."""
-    if draft_model and spec:
-        raise UserError("Give either --draft-model or --spec, not both.")
-    if spec is not None and spec != "ngram":
-        raise UserError(f"Unknown --spec {spec!r}; the one method without a draft model is 'ngram'.")
-    return {"speculative": draft_model or spec}
 
 
 def _load(model, ctx, threads, kv_type=None, parallel=1, **options):
@@ -102,7 +94,7 @@ def chat(model: Optional[str] = ModelArg,
     llm = _load(model, ctx, threads, kv_type, parallel=1, disk_cache=not no_disk_cache,
                 cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram, num_speculative_tokens=draft_max,
                 n_gpu_layers=gpu_layers,
-                **_speculative(draft_model, spec))
+                **speculative_options(draft_model, spec))
     _warn_template(llm)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
@@ -187,7 +179,7 @@ def generate(model: Optional[str] = ModelArg,
     """One-shot completion of a prompt."""
     llm = _load(model, ctx, threads, kv_type, parallel=1, num_speculative_tokens=draft_max,
                 n_gpu_layers=gpu_layers,
-                **_speculative(draft_model, spec))
+                **speculative_options(draft_model, spec))
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)
     if as_json:

@@ -122,8 +122,7 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     """Serve the OpenAI API (chat, completions, models), /health and /metrics, batching all requests."""
     import uvicorn
 
-    from localrun.cli import _speculative
-
+    from localrun.cli_options import speculative_options
     from localrun.api import LLM
     from localrun.server.app import ServerConfig, create_app
     from localrun.server.timeouts import uvicorn_options
@@ -155,7 +154,7 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
                   enable_chunked_prefill=not no_chunked_prefill, kv_budget_bytes=_bytes(kv_budget, "--kv-budget"),
                   disk_cache=not no_disk_cache, cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram,
                   n_gpu_layers=gpu_layers, num_speculative_tokens=draft_max, scheduling=schedule,
-                  output_reserve_tokens=output_reserve, **_speculative(draft_model, spec))
+                  output_reserve_tokens=output_reserve, **speculative_options(draft_model, spec))
         llm.engine    # build the KV pool now, not on the first request
         if itl_target_ms:
             llm.engine.set_itl_target(itl_target_ms / 1000)

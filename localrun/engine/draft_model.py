@@ -150,34 +150,3 @@ class DraftModelProposer:
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
-
-
-def load_speculative(spec: str | None, *, target: Transformer, target_tokenizer, dtype: torch.dtype, n_ctx: int,
-                     quantized: bool = False, num_speculative_tokens: int = 4, adaptive: bool = True):
-    """(SpeculativeConfig or None, draft Transformer or None) for LLM(speculative=spec):
-    None (off), "ngram" (prompt lookup), "self:N" (the target's first N layers as the draft),
-    or a draft model's .gguf path or catalog name, whose vocabulary must be the target's
-    (target_tokenizer: a function returning the target's Tokenizer, loaded only if needed).
-    A draft model file is built like the target (quantized or not, placed by layerplan)."""
-    from localrun.engine.speculative import SpeculativeConfig
-    if not spec:
-        return None, None
-    if spec == "ngram":
-        return SpeculativeConfig("ngram", num_speculative_tokens, adaptive), None
-    config = SpeculativeConfig("draft", num_speculative_tokens, adaptive)
-    if spec.startswith("self:"):
-        try:
-            num_layers = int(spec[len("self:"):])
-        except ValueError:
-            raise UserError(f"Write a self-draft as self:N with N a number of layers, got {spec!r}.") from None
-        return config, self_draft(target, num_layers)
-    from localrun.executor import build_model
-    from localrun.gguf_file import open_gguf
-    from localrun.models import resolve_model
-    from localrun.tokenizer import Tokenizer
-    path = resolve_model(spec)
-    file = open_gguf(path)
-    draft_tokenizer = Tokenizer(path)
-    pieces = lambda tok: [tok.piece(i, special=True) for i in range(tok.n_vocab)]   # noqa: E731
-    check_vocab_compatible(pieces(target_tokenizer()), pieces(draft_tokenizer), path.name)
-    return config, build_model(file, n_ctx=n_ctx, dtype=dtype, quantized=quantized)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from localrun.engine.draft_model import DraftKVCache, DraftModelProposer, layer_devices
 from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.engine.spec_control import AdaptiveController, StepCostModel
 from localrun.errors import UserError
@@ -144,7 +145,6 @@ def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: 
     """Seconds of one forward of num_tokens tokens after `context` cached ones, on a scratch
     cache (the best of `repeats`, after a warm-up): the controller's first estimate of a step
     size it has not seen yet. rowwise: attend row by row, as a verify step does."""
-    from localrun.engine.draft_model import DraftKVCache, layer_devices
     c = model.config
     cache = DraftKVCache(c.n_layers, c.n_head_kv, c.head_dim, model.dtype, capacity=context + num_tokens,
                          devices=layer_devices(model))
@@ -251,7 +251,6 @@ class Speculator:
 def make_speculator(config: SpeculativeConfig, model, *, max_model_len: int, draft_model=None) -> Speculator:
     """The Speculator an LLMEngine runs: prompt lookup, or a draft model (its own Transformer,
     or `draft_model.self_draft(model, n)`), with costs measured on this machine's models."""
-    from localrun.engine.draft_model import DraftModelProposer
     if config.method == "draft" and draft_model is None:
         raise UserError("Speculative method 'draft' needs a draft model.")
     if config.method == "draft" and draft_model.config.n_vocab != model.config.n_vocab:
