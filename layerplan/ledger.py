@@ -42,7 +42,7 @@ F32 = 4
 @dataclass(frozen=True)
 class EngineOptions:
     dtype_bytes: int = 4            # the compute dtype (float32 by default: localrun.api.default_dtype)
-    kv_bytes_per_value: float = 4   # the KV pool's element size (the compute dtype unless --kv-type)
+    kv_bytes_per_value: float = 2   # the KV pool's element size: f16 for a float32 model (the engine's default)
     kernels: bool = True            # localrun's compiled kernels are loaded
     draft: ModelProfile | None = None
     ram_kv_tier_bytes: int = 0      # cache_ram: host RAM for evicted prefix blocks

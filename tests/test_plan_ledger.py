@@ -55,8 +55,10 @@ def test_ledger_of_a_file_against_gguf_py(tiny_gguf):
     got = {i.what: i.n_bytes for i in ledger.items}
     assert got["weights, memory-mapped"] == sum(int(t.n_bytes) for t in matrices)
     assert got["weights, copied"] == sum(int(t.n_elements) * 4 for t in vectors)
-    # f32 K and V: 2 layers x 512 token slots x 2 KV heads x (64 + 64) values x 4 bytes
-    assert got["KV pool (256 x 2 tokens)"] == 2 * 512 * 2 * 128 * 4
+    # f16 K and V (the engine's default for a float32 model): 2 layers x 512 slots x 2 KV heads x (64 + 64) x 2 B
+    assert got["KV pool (256 x 2 tokens)"] == 2 * 512 * 2 * 128 * 2
+    f32_kv = engine_ledger(plan, EngineOptions(kv_bytes_per_value=4))
+    assert f32_kv.device_bytes(0) - ledger.device_bytes(0) == 2 * 512 * 2 * 128 * 2
     n_merges = len(reader.fields["tokenizer.ggml.merges"].data)
     assert got["tokenizer (vocabulary and tables)"] == 320 * TOKENIZER_BYTES_PER_TOKEN + n_merges * TOKENIZER_BYTES_PER_MERGE
     assert ledger.device_bytes(0, mapped=True) == got["weights, memory-mapped"]
@@ -80,7 +82,7 @@ def test_gpu_layers_are_copied_and_pay_the_cuda_context(tiny_gguf):
     assert gpu["weights, copied"] == 2 * layer + head
     assert host["weights, memory-mapped"] == 320 * 256 // 32 * 34              # token_embd stays mapped in RAM
     assert host["RAM KV tier (cap)"] == 64 * MiB
-    assert host["draft model llama2-7b:q4_0 (weights and KV)"] == draft.weight_bytes + 32 * 256 * 32 * 256 * 4
+    assert host["draft model llama2-7b:q4_0 (weights and KV)"] == draft.weight_bytes + 32 * 256 * 32 * 256 * 2
 
 
 @pytest.fixture(scope="module")
