@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from localrun.api import LLM
-from localrun.engine import disk_cache
+from localrun.engine import disk_cache, llm_engine
 from localrun.engine.disk_cache import SUFFIX, DiskCacheConfig, model_fingerprint
 from localrun.engine.sequence import Sequence
 from localrun.errors import UserError
@@ -272,8 +272,10 @@ def test_writes_do_not_block_requests(model_path, reference, tmp_path, monkeypat
 
 
 def test_writes_wait_for_the_engine_to_be_idle(model_path, reference, tmp_path, monkeypatch):
-    """No block is written while a request is in flight (a write competes with the step for the
-    CPU); all are written once the engine is idle, without a flush."""
+    """Without slack to give, no block is written while a request is in flight (a write
+    competes with the step for the CPU); all are written once the engine is idle, without a
+    flush."""
+    monkeypatch.setattr(llm_engine, "DISK_WRITE_SHARE", 0.0)
     busy_at_write = []
     real_write = disk_cache.BlockFiles._write
 
@@ -298,6 +300,57 @@ def test_writes_wait_for_the_engine_to_be_idle(model_path, reference, tmp_path, 
     assert busy_at_write and not any(busy_at_write)
     assert len(block_files(tmp_path / "kv")) == 13 + 8     # 211 and 131 computed tokens, 16 a block
     assert llm.generate(PROMPT, **GREEDY).token_ids == reference
+
+
+def test_a_busy_engine_writes_in_the_windows_between_its_steps(model_path, reference, tmp_path, monkeypatch):
+    """Under load that never pauses, blocks are written, each one inside a window the engine
+    opens between two steps (the slack below an ITL target here), none beside a step."""
+    seen = []
+    real_write = disk_cache.BlockFiles._write
+
+    def recording_write(self, *args):
+        seen.append((llm.engine.scheduler.has_unfinished(), self.in_window))
+        return real_write(self, *args)
+
+    monkeypatch.setattr(disk_cache.BlockFiles, "_write", recording_write)
+    llm = make_llm(model_path, tmp_path / "kv")
+    llm.engine.set_itl_target(0.5)
+    seqs = [llm.engine.add_request("a", PROMPT, llm_params())]
+    for i in range(4):                   # a new request each time one finishes: never idle
+        while not seqs[-1].is_finished:
+            llm.engine.step()
+        seqs.append(llm.engine.add_request(str(i), random_ids(100, seed=20 + i), llm_params()))
+        busy_writes = [w for w in seen if w[0]]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert seqs[0].generated_token_ids == reference
+    assert busy_writes, "no block was written while the engine was busy"
+    assert all(in_window for busy, in_window in busy_writes), "a block was written beside a step"
+    assert llm.engine.stats()["disk_cache_write_drops"] == 0
+
+
+def test_write_windows_take_a_bounded_share_of_a_busy_engine(model_path, tmp_path, monkeypatch):
+    """Without an ITL target a window is a tenth of the step before it, however slow the disk."""
+    gate = threading.Event()
+    real_write = disk_cache.BlockFiles._write
+    monkeypatch.setattr(disk_cache.BlockFiles, "_write", lambda self, *a: gate.wait(30) and real_write(self, *a))
+    llm = make_llm(model_path, tmp_path / "kv")
+    execute_s = []
+    real_execute = llm.engine.runner.execute
+
+    def timed_execute(batch):
+        start = time.perf_counter()
+        try:
+            return real_execute(batch)
+        finally:
+            execute_s.append(time.perf_counter() - start)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", timed_execute)
+    llm.generate(PROMPT, **GREEDY)
+    window_s = llm.engine.stats()["disk_cache_window_s"]
+    gate.set()
+    llm.close()
+    assert 0 < window_s <= llm_engine.DISK_WRITE_SHARE * sum(execute_s) + 0.002 * len(execute_s)
 
 
 def llm_params():

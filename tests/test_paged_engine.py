@@ -280,6 +280,21 @@ def test_an_itl_target_keeps_every_output_and_records_its_plans(model):
     assert engine.stats()["itl_target_ms"] == 0.0 and engine.scheduler.step_token_budget() == 64
 
 
+def test_an_itl_target_on_a_model_with_fewer_positions_than_a_step(model):
+    """The step-cost model times forwards of sizes the scheduler asks about; a size past the
+    model's positions (256 here, a step budget of 512) is timed at what fits and scaled, not
+    an out-of-range position that ends the engine."""
+    from localrun.engine.speculative import measure_forward_seconds
+    assert model.freqs.shape[0] < 512
+    assert measure_forward_seconds(model, 512, repeats=1) > 0
+    engine = make_engine(model, max_num_seqs=2, max_num_batched_tokens=512)
+    engine.set_itl_target(10.0)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = random_ids(200, seed=5)
+    (seq,) = run_all(engine, [prompt], [params])
+    assert seq.generated_token_ids == solo(model, prompt, params)
+
+
 def test_abort_frees_all_blocks(model):
     engine = make_engine(model, max_num_seqs=2, max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True)

@@ -14,9 +14,16 @@ lowest CPU priority, waits until the engine is idle (no request in flight: `set_
 serializes each block to a temporary file and renames it into place (atomic on POSIX and
 Windows). On a 2-core machine, writing during the prefill that produced the blocks made that
 request's TTFT 1.39x slower; writing between requests costs requests nothing. A chat turn or
-a server's pause between requests is ample time (~2 ms per block). Under load that never
-pauses, the queue fills and further blocks are not written (counted in `num_write_drops`);
-`flush` (at close) writes what is queued whether or not the engine is busy. A torn,
+a server's pause between requests is ample time (~1-2 ms per block).
+Under load that never pauses, the engine opens a write window between its steps instead
+(`write_window`): it waits while the writer runs, for the slack the step left below the
+inter-token latency target, or without a target a tenth of the step's time, and, while the
+queue is more than half full, until at least one block is written (at most 50 ms). Writes
+thus take a bounded share of a busy engine's time and never run beside a step's compute
+(except the one a window's end interrupts), and blocks are dropped only when they arrive
+faster than that (counted in `num_write_drops`). A stalled disk delays each step by at most
+its window. `flush` (at close) writes what is queued
+whether or not the engine is busy. A torn,
 truncated or bit-flipped file fails the checksum or the parse, is reported once as a
 warning, deleted, and never loaded.
 
@@ -59,6 +66,7 @@ FORMAT = "localrun-kv-block-1"
 SUFFIX = ".safetensors"
 STATS_FILE = "stats.json"
 DEFAULT_MAX_BYTES = 20 << 30            # 20 GiB, and never more than half the free disk space
+MUST_WRITE_WAIT_S = 0.05                # a window waits this long at most for one block when the queue is half full
 QUEUE_BLOCKS = 256                      # blocks waiting to be written (~190 MB for SmolLM2 f32)
 STALE_TMP_S = 3600                      # a temp file this old was left by a crashed writer
 FINGERPRINT_SAMPLES = 16                # 64 KiB samples of the tensor data in a model fingerprint
@@ -140,6 +148,7 @@ class DiskCacheStats:
     num_written_blocks: int = 0
     num_written_bytes: int = 0
     num_write_drops: int = 0        # not written: the queue was full
+    window_s: float = 0.0           # time the busy engine gave the writer between steps (write_window)
     num_corrupt: int = 0            # files found unusable and deleted
     num_evicted_files: int = 0      # deleted to keep the size bound
     load_s: float = 0.0             # time spent loading (on the request's path)
@@ -211,6 +220,8 @@ class BlockFiles:
         self.queue: queue.Queue = queue.Queue(maxsize=max(config.queue_blocks, 1))
         self.idle = threading.Event()             # set: no request in flight, writing may proceed
         self.idle.set()
+        self.wrote = threading.Event()            # set by the writer after each block
+        self.in_window = False                    # the engine is busy but waits in write_window
         self._thread = threading.Thread(target=self._write_loop, name="localrun-kv-disk-writer", daemon=True)
         self._thread.start()
 
@@ -234,6 +245,34 @@ class BlockFiles:
                 with self.lock:
                     self.pending.discard(block_hash)
                 self.queue.task_done()
+                self.wrote.set()
+
+    def write_window(self, seconds: float, busy: bool = True) -> int:
+        """Let the writer run for about `seconds` while the engine, between two steps, waits
+        (or until the queue is empty); while the queue is more than half full, until at least
+        one block is written (at most MUST_WRITE_WAIT_S). Returns the blocks written."""
+        q, start = self.queue, time.perf_counter()
+        if not q.unfinished_tasks:
+            return 0
+        before, must = self.stats.num_written_blocks, q.qsize() * 2 > q.maxsize
+        if seconds <= 0 and not must:
+            return 0
+        soft, hard = start + max(seconds, 0.0), start + max(seconds, MUST_WRITE_WAIT_S if must else 0.0)
+        self.in_window = True
+        self.idle.set()
+        try:
+            while q.unfinished_tasks:
+                self.wrote.clear()                # before reading the count: a write after it sets it again
+                now, written = time.perf_counter(), self.stats.num_written_blocks - before
+                if now >= hard or (now >= soft and (written or not must)):
+                    break
+                self.wrote.wait(min(hard, soft if written or not must else hard) - now)
+        finally:
+            if busy:
+                self.idle.clear()
+            self.in_window = False
+            self.stats.window_s += time.perf_counter() - start
+        return self.stats.num_written_blocks - before
 
     def _write(self, block_hash: bytes, token_ids: tuple[int, ...], tensors: dict[str, torch.Tensor]) -> None:
         tensors = {name: t.contiguous() for name, t in tensors.items()}
@@ -242,9 +281,9 @@ class BlockFiles:
         data = save_safetensors(tensors, metadata)
         path = self.path(block_hash)
         write_atomic(path, data)
-        self.stats.num_written_blocks += 1
-        self.stats.num_written_bytes += len(data)
-        with self.lock:
+        with self.lock:                           # the engine's thread and the writer may both be here
+            self.stats.num_written_blocks += 1
+            self.stats.num_written_bytes += len(data)
             self.index.add(path, len(data))
             victims = []
             while self.index.num_bytes > self.max_bytes and self.index.files:
@@ -367,6 +406,9 @@ class DiskKVCache:
                 self.stats.num_write_drops += 1
                 with files.lock:
                     files.pending.discard(block_hash)
+
+    def write_window(self, seconds: float) -> int:
+        return self.files.write_window(seconds)
 
     def set_busy(self, busy: bool) -> None:
         if busy:

@@ -146,6 +146,9 @@ def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: 
     cache (the best of `repeats`, after a warm-up): the controller's first estimate of a step
     size it has not seen yet. rowwise: attend row by row, as a verify step does."""
     c = model.config
+    asked, max_positions = num_tokens, model.freqs.shape[0]
+    num_tokens = min(num_tokens, max_positions - 1)    # a model with fewer positions than asked:
+    context = min(context, max_positions - num_tokens)  # time what fits, scale (about linear)
     cache = DraftKVCache(c.n_layers, c.n_head_kv, c.head_dim, model.dtype, capacity=context + num_tokens,
                          devices=layer_devices(model))
     device = model.tok_embeddings.device
@@ -158,7 +161,7 @@ def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: 
         model(ids[context:], positions[context:], [Segment(0, num_tokens, context, cache, rowwise)],
               torch.arange(num_tokens, device=device))
         best = min(best, time.perf_counter() - start)
-    return best
+    return best * asked / num_tokens
 
 
 # --- the engine's side --------------------------------------------------------------------------
