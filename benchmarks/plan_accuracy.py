@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--runs", nargs="+", default=["512x1", "4096x1", "512x4"], help="CTXxPARALLEL")
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate per sequence")
+    parser.add_argument("--matvec-only", action="store_true", help="calibrate with the micro-benchmarks only, "
+                        "not the engine's own layers")
     args = parser.parse_args()
     runs = [_parse_run(r) for r in args.runs]
     if args.worker:
@@ -146,6 +148,9 @@ def main() -> None:
     local = layerplan.Machine(gpus=(), host=probe_host())
     started = time.perf_counter()
     calibration = calibrate.measure(local, dtype=dtype, threads=default_threads())
+    if not args.matvec_only:
+        from localrun.calibrate_engine import measure_engine
+        calibration = measure_engine(path, calibration, default_threads())
     saved = calibrate.save(calibration)
     measure_s = time.perf_counter() - started
 
@@ -180,7 +185,9 @@ def main() -> None:
                         "host_bandwidth_gb_s": round(calibration.host_bandwidth / 1e9, 2),
                         "matvec_overhead_us": round(calibration.host_matmul_overhead_s * 1e6, 1),
                         "host_gflops": round(calibration.host_flops / 1e9, 1),
-                        "layer_overhead_ms": round((calibration.host_layer_overhead_s or 0) * 1e3, 3)},
+                        "layer_overhead_ms": round((calibration.host_layer_overhead_s or 0) * 1e3, 3),
+                        "step_overhead_ms": round((calibration.host_step_overhead_s or 0) * 1e3, 3),
+                        "engine": calibration.engine_model},
         "runs": [{"n_ctx": r["measured"]["n_ctx"], "parallel": r["measured"]["n_parallel"],
                   "resident_mib": round(r["measured"]["resident_bytes"] / mib, 1),
                   "predicted_resident_mib": round(r["predicted"]["resident_bytes"] / mib, 1),

@@ -55,6 +55,9 @@ class Calibration:
     threads: int = 0
     gpus: tuple[GPUCalibration, ...] = ()
     measured_at: str = ""
+    host_step_overhead_s: float | None = None  # per forward step besides layers and head (engine calibration)
+    host_kv_bandwidth: float | None = None     # bytes/s decode attention reads the KV cache at (engine calibration)
+    engine_model: str = ""           # what the engine calibration timed (localrun/calibrate_engine.py)
     load_before: float = 0.0         # 1-minute load average when measuring began
     load_after: float = 0.0          # and when it ended (our own threads included)
     suspect: bool = False            # taken with other work on the CPU: not saved, not to be trusted
@@ -330,5 +333,8 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    matmul_overhead_s=calibration.host_matmul_overhead_s,
                    layer_overhead_s=(machine.host.layer_overhead_s if calibration.host_layer_overhead_s is None
                                      else calibration.host_layer_overhead_s),
-                   source=f"measured {calibration.dtype}" + (", suspect: taken under load" if calibration.suspect else ""))
+                   step_overhead_s=calibration.host_step_overhead_s or 0.0,
+                   kv_bandwidth=calibration.host_kv_bandwidth or 0.0,
+                   source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
+                           + (", suspect: taken under load" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

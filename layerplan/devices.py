@@ -17,6 +17,8 @@ class Device:
     link_latency_s: float = 10e-6  # per transfer across the link
     layer_overhead_s: float = 0.0  # fixed cost per layer per step besides its matmuls (norms, rope, dispatch)
     matmul_overhead_s: float = 0.0 # fixed cost of one matmul call (kernel launch, primitive set-up)
+    step_overhead_s: float = 0.0   # host only: fixed cost of one forward step (embedding, sampling, Python)
+    kv_bandwidth: float = 0.0      # bytes/s attention reads the KV cache at; 0: memory_bandwidth
     source: str = "preset"         # where the figures come from: nvml, torch, preset, --vram, psutil, measured
     index: int | None = None       # the CUDA device index, for GPUs found on this machine
 

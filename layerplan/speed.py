@@ -118,7 +118,8 @@ class _Step:
                 per_device[expert_index] += expert_s
                 matmul_s -= layer.n_expert_matmuls * device.matmul_overhead_s  # counted where they run
             a_bytes, a_flops = _attention(layer, self.kv_per_token[il], n_queries, n_cached, n_sequences)
-            attention_s = _roofline(kv_device, a_bytes, a_flops)
+            attention_s = max(a_bytes / (kv_device.kv_bandwidth or kv_device.memory_bandwidth),
+                              a_flops / kv_device.compute_flops)
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
                 q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
                 attention_s += 2 * _transfer_s(device, kv_device, n_tokens * q_kv_dims * F32)
@@ -134,6 +135,7 @@ class _Step:
                 + _transfer_s(head, host, n_logits * profile.n_vocab * F32))
         else:
             per_device[-1] += _transfer_s(previous, host, 0)
+        per_device[-1] += host.step_overhead_s
         return sum(per_device), per_device
 
     def _matmul_s(self, device: Device, w_bytes: float, w_flops: float, n_tokens: int) -> float:

@@ -108,6 +108,9 @@ def plan(
         if measure:
             dtype, threads = _engine_compute()
             calibration = calibrate.measure(local, dtype=dtype, threads=threads)
+            if profile.path and not profile.is_moe and threads is not None:  # the engine runs it: time the engine
+                from localrun.calibrate_engine import measure_engine
+                calibration = measure_engine(profile.path, calibration, threads)
             saved = calibrate.save(calibration)
             where = (f"saved to {saved}" if saved else f"NOT saved: taken under load ({calibration.load_note}); "
                      "rerun --measure when the machine is quiet")
