@@ -31,14 +31,12 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 from localrun.cpu_info import cpu_info
 
 MODEL = "smollm2-135m"
 TEXT = ("The history of the city begins with a small settlement on an island in the river, where "
         "fishermen and traders built their houses and a wall to keep them safe. ")
-FUSED_MATMULS_PER_LAYER = 4  # localrun's llama block: wqkv, wo, w13 (gate|up), w2
 
 
 def _rss_bytes(trim: bool) -> int:
@@ -100,11 +98,10 @@ def predict(path, measured: dict, calibration) -> dict:
     from layerplan.calibrate import apply
     from layerplan.ledger import EngineOptions, engine_ledger
     from layerplan.probe import probe_host
+    from localrun.tune import engine_profile
 
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[measured["dtype"]]
-    file_profile = layerplan.profile_gguf(path)
-    profile = replace(file_profile, layers=tuple(replace(layer, n_matmuls=FUSED_MATMULS_PER_LAYER)
-                                                 for layer in file_profile.layers))
+    profile = engine_profile(path)
     machine = apply(layerplan.Machine(gpus=(), host=probe_host()), calibration)
     kv = measured["kv_type"]
     plan = layerplan.plan(profile, machine, n_ctx=measured["n_ctx"], n_parallel=measured["n_parallel"], kv_type=kv,
