@@ -13,6 +13,30 @@ from localrun.errors import UserError
 
 out = Console(highlight=False)
 
+# The memory a server planned (layerplan's ledger of the engine, one sample per device and part) and
+# what its process holds; `top` shows them side by side when the server exports both.
+PLANNED_METRIC = "localrun_memory_planned_bytes"
+ACTUAL_METRIC = "process_resident_memory_bytes"
+
+
+def memory_row(now: dict) -> tuple[str, str] | None:
+    """('memory planned / actual', text) from the planned ledger and the process's RSS; None when the
+    server exports neither. Memory-mapped weights count once their pages are touched, as RSS does."""
+    planned = now.get(PLANNED_METRIC) or []
+    actual = now.get(ACTUAL_METRIC)
+    if not planned and actual is None:
+        return None
+    mib = 1 << 20
+    host = sum(v for device, _, v in planned if device == "CPU")
+    parts = ", ".join(f"{part} {v / mib:,.0f}" for device, part, v in planned if device == "CPU" and v)
+    text = (f"{host / mib:,.0f} MiB planned" if planned else "- planned") + " / " + (
+        f"{actual / mib:,.0f} MiB resident" if actual is not None else "- resident")
+    if planned and actual:
+        text += f" ({actual / host:.2f}x)" if host else ""
+    if parts:
+        text += f"  [{parts}]"
+    return "host memory planned / actual", text
+
 
 def scrape(url: str, api_key: str | None = None) -> dict:
     """{metric sample name -> value}, histogram buckets as {name: [(le, cumulative count), ...]}."""
@@ -32,6 +56,9 @@ def scrape(url: str, api_key: str | None = None) -> dict:
                 values.setdefault(s.name, []).append((float(s.labels["le"]), s.value))
             elif s.labels and "finish_reason" in s.labels:
                 values[f"{s.name}:{s.labels['finish_reason']}"] = s.value
+            elif s.name == PLANNED_METRIC:
+                values.setdefault(PLANNED_METRIC, []).append((s.labels.get("device", "?"), s.labels.get("part", "?"),
+                                                              s.value))
             else:
                 values[s.name] = s.value
     return values
@@ -93,6 +120,9 @@ def view(url: str, now: dict, before: dict | None, dt: float) -> Table:
          " / ".join(f"{now.get(f'localrun_requests_total:{r}', 0):.0f}" for r in ("stop", "length", "abort"))),
         ("preemptions", f"{now.get('localrun_num_preemptions_total', 0):.0f}"),
     ]
+    memory = memory_row(now)
+    if memory is not None:
+        rows.append(memory)
     for k, v in rows:
         table.add_row(k, v)
     return table
