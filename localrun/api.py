@@ -1,6 +1,7 @@
 """The public Python API: `localrun.LLM`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from localrun.engine.llm_engine import LLMEngine
+from localrun.engine_config import EngineConfig
 from localrun.errors import UserError
 from localrun.gguf_file import open_gguf
 from localrun.executor import build_model, use_quantized
@@ -59,107 +61,54 @@ class LLM:
     >>> llm.generate("The capital of France is", max_tokens=8, temperature=0).text
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, n_ctx: int | None = None,
-                 n_threads: int | None = None, dtype: torch.dtype | str | None = None,
-                 n_parallel: int = 4, kv_type: str | None = None, enable_prefix_caching: bool = True,
-                 disk_cache: bool = False, cache_dir: str | os.PathLike | None = None,
-                 cache_disk: int | str | None = None, cache_ram: int | str | None = None,
-                 context_shift: bool = False, n_keep: int = 0,
-                 speculative: str | None = None, num_speculative_tokens: int = 4,
-                 speculative_adaptive: bool = True, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, kv_budget_bytes: int | None = None,
-                 n_gpu_layers: int | str | None = "auto", quantized: bool | None = None,
-                 scheduling: str = "fcfs", output_reserve_tokens: int | None = None,
-                 kv_watermark: float | None = None, verbose: bool = False):
-        """speculative="ngram" drafts by prompt lookup; a .gguf path or catalog name (with the
-        same vocabulary) is a draft model, "self:N" the model's own first N layers. Output is
-        unchanged (exact at temperature 0, the same distribution otherwise); up to
-        num_speculative_tokens drafts per step, and with speculative_adaptive it stops drafting
-        for a request or a step whenever measured costs say it does not pay.
-        disk_cache=True keeps full prefix blocks in cache_dir (default $LOCALRUN_HOME/kv-cache),
-        bounded by cache_disk bytes ("20GiB"; default 20 GiB or half the free space), so a new
-        process reuses them. Off by default for the library (the CLI turns it on).
-        cache_ram: bytes ("4GiB") of host RAM for prefix blocks the KV pool evicts, copied back
-        on a later hit; default min(4 GiB, 25% of available RAM) when the KV is on a GPU, and
-        0 (off) on a CPU-only machine, where the pool is already host memory.
-        context_shift=True lets a raw prompt too long for n_ctx (with max_tokens, capped at half
-        the context) lose its oldest tokens after the first n_keep, instead of raising.
-        n_gpu_layers: 'auto' (layerplan chooses; all-CPU without a GPU) or llama.cpp's -ngl count.
-        scheduling: the order waiting requests are admitted in, "fcfs" or "cache_aware" (the
-        longest cached prefix first, no request passed over more than 16 times).
-        output_reserve_tokens, kv_watermark: admission holds KV blocks for a request's prompt plus
-        this many output tokens, and keeps this fraction of the pool free (defaults 64 and 0.01;
-        0 and 0.0 admit greedily, and preempt when the pool runs out).
-        quantized: keep Q4_0/Q4_1/Q4_K (int4) and Q8_0 (int8) weights quantized for torch's
-        weight-only kernels; None = yes, unless dtype="float32" is asked for explicitly or
-        LOCALRUN_REFERENCE=1 (the dequantized reference path, see localrun/executor.py)."""
+    def __init__(self, model: str | os.PathLike | None = None, config: EngineConfig | None = None, **options):
+        """model: a .gguf path or a catalog name (default: smollm2-135m). The options are
+        EngineConfig's fields (localrun/engine_config.py says what each does), given as an
+        EngineConfig, as keywords (LLM(path, n_ctx=2048, n_parallel=8)), or both (the keywords
+        win); all are checked before the model loads."""
+        config = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
+        self.engine_config = config
         self.model_path = resolve_model(model)
         self.file = open_gguf(self.model_path)
         self.config = self.file.config
-        self.n_threads = n_threads or default_threads()
-        if self.n_threads < 1:
-            raise UserError(f"n_threads must be >= 1, got {self.n_threads}")
+        self.n_threads = config.n_threads or default_threads()
         torch.set_num_threads(self.n_threads)
-        self.n_ctx = n_ctx or min(self.config.context_length, DEFAULT_CTX)
-        if self.n_ctx < 2:
-            raise UserError(f"n_ctx must be at least 2, got {self.n_ctx}")
+        self.n_ctx = config.n_ctx or min(self.config.context_length, DEFAULT_CTX)
+        dtype = config.dtype
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or default_dtype())
-        from localrun.engine.llm_engine import DEFAULT_OUTPUT_RESERVE_TOKENS, DEFAULT_WATERMARK
-        from localrun.engine.scheduler import SchedulerConfig
-        self.admission = SchedulerConfig(
-            policy=scheduling, watermark=DEFAULT_WATERMARK if kv_watermark is None else kv_watermark,
-            output_reserve_tokens=DEFAULT_OUTPUT_RESERVE_TOKENS if output_reserve_tokens is None
-            else output_reserve_tokens)                     # checked now: before the model loads
         t0 = time.perf_counter()
-        self.quantized = use_quantized(quantized, dtype)
+        self.quantized = use_quantized(config.quantized, dtype)
         self.model = build_model(self.file, n_ctx=self.n_ctx, dtype=self.dtype, quantized=self.quantized,
-                                 n_gpu_layers=n_gpu_layers, n_parallel=n_parallel, kv_type=kv_type)
+                                 n_gpu_layers=config.n_gpu_layers, n_parallel=config.n_parallel,
+                                 kv_type=config.kv_type)
         self.plan_summary = self.model.device_map.summary
         self.load_s = time.perf_counter() - t0
-        if n_parallel < 1:
-            raise UserError(f"n_parallel must be >= 1, got {n_parallel}")
-        self.n_parallel, self.kv_type = n_parallel, kv_type
-        self.enable_prefix_caching = enable_prefix_caching
-        self.max_num_batched_tokens = max_num_batched_tokens   # tokens per engine step (prefill chunk budget)
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.kv_budget_bytes = kv_budget_bytes    # None: the engine's default share of free memory
-        self.disk_cache_config = self._disk_cache_config(disk_cache, cache_dir, cache_disk)
-        self.cache_ram = self._size(cache_ram, "cache_ram", allow_zero=True)
+        self.disk_cache_config = self._disk_cache_config(config)
         self.last_dropped_messages = 0      # by the last chat() to fit the context
-        self.context_shift, self.n_keep = context_shift, n_keep
         self._engine: LLMEngine | None = None
         self._request_ids = itertools.count()
-        self.verbose = verbose
         self.speculative, self.draft_model = load_speculative(
-            None if speculative is None else str(speculative), target=self.model,
-            target_tokenizer=lambda: self.tokenizer, dtype=self.dtype, n_ctx=self.n_ctx, quantized=self.quantized,
-            num_speculative_tokens=num_speculative_tokens, adaptive=speculative_adaptive)
+            config.speculative, target=self.model, target_tokenizer=lambda: self.tokenizer, dtype=self.dtype,
+            n_ctx=self.n_ctx, quantized=self.quantized, num_speculative_tokens=config.num_speculative_tokens,
+            adaptive=config.speculative_adaptive)
 
-    @staticmethod
-    def _size(value: int | str | None, name: str, allow_zero: bool = False) -> int | None:
-        """A byte count given as an int or a string such as "4GiB"; None stays None."""
-        if isinstance(value, str):
-            from layerplan.units import parse_bytes
-            try:
-                value = parse_bytes(value)
-            except ValueError as e:
-                raise UserError(str(e)) from None
-        if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-            raise UserError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} size, got {value!r}.")
-        return value
+    @property
+    def kv_type(self) -> str | None:
+        """The KV type asked for (None: the engine's default for the compute dtype)."""
+        return self.engine_config.kv_type
 
-    def _disk_cache_config(self, enabled, cache_dir, cache_disk):
+    def _disk_cache_config(self, config: EngineConfig):
         from localrun.engine.disk_cache import DiskCacheConfig, model_fingerprint
         from localrun.models import localrun_home
-        if not enabled:
+        if not config.disk_cache:
             return None
-        max_bytes = self._size(cache_disk, "cache_disk")
-        root = Path(cache_dir).expanduser() if cache_dir is not None else localrun_home() / "kv-cache"
+        root = Path(config.cache_dir).expanduser() if config.cache_dir is not None else localrun_home() / "kv-cache"
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot use {root} as the KV cache directory ({e.strerror})") from None
-        return DiskCacheConfig(root, model_fingerprint(self.model_path, self.file.header.data_offset), max_bytes)
+        return DiskCacheConfig(root, model_fingerprint(self.model_path, self.file.header.data_offset),
+                               config.cache_disk)
 
     def close(self) -> None:
         """Finish writing the disk cache (also done at exit)."""
@@ -305,17 +254,9 @@ class LLM:
         """The paged, continuously batched engine (built on first use: it needs the tokenizer's
         end-of-generation ids)."""
         if self._engine is None:
-            self._engine = LLMEngine(self.model, tokenizer_eog_ids=tuple(self.tokenizer.eog_ids),
-                                     max_model_len=self.n_ctx, kv_type=self.kv_type,
-                                     max_num_seqs=self.n_parallel, clock=time.perf_counter,
-                                     max_num_batched_tokens=self.max_num_batched_tokens,
-                                     enable_chunked_prefill=self.enable_chunked_prefill,
-                                     kv_budget_bytes=self.kv_budget_bytes,
-                                     enable_prefix_caching=self.enable_prefix_caching,
-                                     disk_cache=self.disk_cache_config, ram_cache_bytes=self.cache_ram,
-                                     speculative=self.speculative, draft_model=self.draft_model,
-                                     policy=self.admission.policy, watermark=self.admission.watermark,
-                                     output_reserve_tokens=self.admission.output_reserve_tokens)
+            self._engine = LLMEngine(self.model, self.engine_config, tokenizer_eog_ids=tuple(self.tokenizer.eog_ids),
+                                     clock=time.perf_counter, disk_cache=self.disk_cache_config,
+                                     speculative=self.speculative, draft_model=self.draft_model)
         return self._engine
 
     def _run(self, prompts: list, kwargs, n: int = 1) -> Iterator[tuple[int, str | GenerationResult]]:
@@ -326,7 +267,7 @@ class LLM:
         frontend, engine = self.frontend, self.engine
         params = frontend.sampling_params(kwargs)
         per_prompt = choice_params(params, n) * (len(prompts) // n)
-        shift = (params.max_tokens, self.n_keep) if self.context_shift else None
+        shift = (params.max_tokens, self.engine_config.n_keep) if self.engine_config.context_shift else None
         requests = {f"req-{next(self._request_ids)}": (i, frontend.prompt_ids(prompt, shift=shift))
                     for i, prompt in enumerate(prompts)}
         texts = {rid: frontend.request_text(params) for rid in requests}

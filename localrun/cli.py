@@ -14,7 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from localrun.cli_cache import cache_app
-from localrun.cli_options import speculative_options
+from localrun.cli_options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
+                                   GpuLayersOpt, KvTypeOpt, ModelArg, NoDiskCacheOpt, SpecOpt, ThreadsOpt, engine_config,
+                                   load_llm)
 from localrun.cli_plan import plan
 from localrun.cli_tune import tune
 from localrun.cli_bench import bench
@@ -26,36 +28,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Run GGUF language models locally: chat, generate, serve, plan.")
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
-
-ModelArg = typer.Argument(None, help="A .gguf path or a catalog name (default: smollm2-135m).")
-CtxOpt = typer.Option(None, "--ctx", "-c", help="Context size in tokens (default: min(trained, 4096)).")
-ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: physical cores).")
-KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8 (default: compute dtype).")
-GpuLayersOpt = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU without a "
-                            "GPU) or the number of layers on the GPU (llama.cpp's -ngl: the last N).")
-
-
-CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk KV cache directory (default: $LOCALRUN_HOME/kv-cache).")
-NoDiskCacheOpt = typer.Option(False, "--no-disk-cache", help="Do not keep prefix blocks on disk across restarts.")
-CacheDiskOpt = typer.Option(None, "--cache-disk", help="Size bound of the disk KV cache, e.g. 20GiB "
-                            "(default: 20GiB or half the free space).")
-CacheRamOpt = typer.Option(None, "--cache-ram", help="Host RAM for prefix blocks the GPU's KV pool evicts, e.g. "
-                           "4GiB (default: min(4GiB, 25% of free RAM) with a GPU; 0, off, on a CPU-only machine).")
-DraftModelOpt = typer.Option(None, "--draft-model", help="Speculative decoding with this draft model: a .gguf "
-                             "path, a catalog name (same vocabulary), or self:N (the model's first N layers).")
-SpecOpt = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram (prompt lookup).")
-DraftMaxOpt = typer.Option(4, "--draft-max", help="The most tokens drafted per step (speculation adapts below it).")
-
-
-def _load(model, ctx, threads, kv_type=None, parallel=1, **options):
-    from localrun.api import LLM
-    from localrun.tune import apply_profile
-    threads, options, tuned = apply_profile(model, threads, options)
-    with err.status("loading model..."):
-        llm = LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel, **options)
-        llm.engine      # built now (KV pool, disk index, speculation costs), not in the first TTFT
-    err.print(f"[dim]{llm.plan_summary}{' · tuned profile' if tuned else ''}[/dim]")
-    return llm
 
 
 def _warn_template(llm) -> None:
@@ -91,10 +63,10 @@ def chat(model: Optional[str] = ModelArg,
          draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt):
     """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply.
     A full context drops the oldest turns (never the system prompt), with a notice."""
-    llm = _load(model, ctx, threads, kv_type, parallel=1, disk_cache=not no_disk_cache,
-                cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram, num_speculative_tokens=draft_max,
-                n_gpu_layers=gpu_layers,
-                **speculative_options(draft_model, spec))
+    config = engine_config(ctx=ctx, threads=threads, kv_type=kv_type, gpu_layers=gpu_layers, draft_model=draft_model,
+                           spec=spec, draft_max=draft_max, cache_dir=cache_dir, no_disk_cache=no_disk_cache,
+                           cache_disk=cache_disk, cache_ram=cache_ram, n_parallel=1)
+    llm = load_llm(model, config)
     _warn_template(llm)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
@@ -177,9 +149,9 @@ def generate(model: Optional[str] = ModelArg,
              kv_type: Optional[str] = KvTypeOpt, draft_model: Optional[str] = DraftModelOpt,
              spec: Optional[str] = SpecOpt, draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt):
     """One-shot completion of a prompt."""
-    llm = _load(model, ctx, threads, kv_type, parallel=1, num_speculative_tokens=draft_max,
-                n_gpu_layers=gpu_layers,
-                **speculative_options(draft_model, spec))
+    config = engine_config(ctx=ctx, threads=threads, kv_type=kv_type, gpu_layers=gpu_layers, draft_model=draft_model,
+                           spec=spec, draft_max=draft_max, n_parallel=1)
+    llm = load_llm(model, config)
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)
     if as_json:

@@ -11,12 +11,16 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
+from localrun.cli_options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
+                                   GpuLayersOpt, KvBudgetOpt, KvTypeOpt, MaxBatchedTokensOpt, ModelArg,
+                                   NoChunkedPrefillOpt, NoDiskCacheOpt, NoPrefixCacheOpt, OutputReserveOpt, ParallelOpt,
+                                   ScheduleOpt, SpecOpt, ThreadsOpt, engine_config, load_llm)
 from localrun.errors import UserError
 from localrun.server import DEFAULT_MAX_QUEUE
 
 err = Console(stderr=True, highlight=False)
 
-DEFAULT_PARALLEL = 16
+DEFAULT_BATCHED_TOKENS = 512    # serve's step budget: a prompt chunk that keeps running decodes moving
 
 
 def is_loopback(host: str) -> bool:
@@ -52,53 +56,18 @@ def access_policy(host: str, origins: list[str], hosts: list[str]):
                         check_host=is_loopback(host))
 
 
-def _bytes(text: str | None, option: str) -> int | None:
-    from layerplan.units import parse_bytes
-    if text is None:
-        return None
-    try:
-        value = parse_bytes(text)
-    except ValueError as e:
-        raise UserError(f"{option}: {e}") from None
-    if value <= 0:
-        raise UserError(f"{option} must be a positive size, got '{text}'")
-    return value
-
-
-def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a catalog name (default: smollm2-135m)."),
+def serve(model: Optional[str] = ModelArg,
           host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
           port: int = typer.Option(8080, "--port", help="TCP port."),
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LOCALRUN_API_KEY",
                                                 help="Require 'Authorization: Bearer KEY' on every route but /health."),
-          parallel: int = typer.Option(DEFAULT_PARALLEL, "--parallel", "-np",
-                                       help="Requests decoded together (continuous batching)."),
-          ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Context size in tokens per request."),
-          threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads."),
-          kv_type: Optional[str] = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8."),
-          max_batched_tokens: Optional[int] = typer.Option(None, "--max-batched-tokens", "-b",
-                                                           help="Tokens per engine step: the prefill chunk that shares "
-                                                                "a step with running decodes (default: the tuned "
-                                                                "profile's, else 512)."),
-          no_chunked_prefill: bool = typer.Option(False, "--no-chunked-prefill",
-                                                  help="Compute each prompt in one step (needs --max-batched-tokens >= --ctx)."),
-          kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV cache memory, e.g. 2GiB "
-                                                  "(default: a share of free memory)."),
-          no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Recompute every prompt."),
-          cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Disk KV cache directory "
-                                                  "(default: $LOCALRUN_HOME/kv-cache)."),
-          no_disk_cache: bool = typer.Option(False, "--no-disk-cache",
-                                             help="Do not keep prefix blocks on disk across restarts."),
-          cache_disk: Optional[str] = typer.Option(None, "--cache-disk", help="Size bound of the disk KV cache, "
-                                                   "e.g. 20GiB (default: 20GiB or half the free space)."),
-          cache_ram: Optional[str] = typer.Option(None, "--cache-ram", help="Host RAM for prefix blocks the GPU's "
-                                                  "KV pool evicts, e.g. 4GiB (default: min(4GiB, 25% of free RAM) "
-                                                  "with a GPU; 0, off, on a CPU-only machine)."),
-          gpu_layers: str = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU "
-                                         "without a GPU) or the number of layers on the GPU."),
-          draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Speculative decoding with this "
-                                                    "draft model: a .gguf path, a catalog name, or self:N."),
-          spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding without a draft model: ngram."),
-          draft_max: int = typer.Option(4, "--draft-max", help="The most tokens drafted per step."),
+          parallel: int = ParallelOpt, ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
+          kv_type: Optional[str] = KvTypeOpt, max_batched_tokens: Optional[int] = MaxBatchedTokensOpt,
+          no_chunked_prefill: bool = NoChunkedPrefillOpt, kv_budget: Optional[str] = KvBudgetOpt,
+          no_prefix_cache: bool = NoPrefixCacheOpt, cache_dir: Optional[str] = CacheDirOpt,
+          no_disk_cache: bool = NoDiskCacheOpt, cache_disk: Optional[str] = CacheDiskOpt,
+          cache_ram: Optional[str] = CacheRamOpt, gpu_layers: str = GpuLayersOpt,
+          draft_model: Optional[str] = DraftModelOpt, spec: Optional[str] = SpecOpt, draft_max: int = DraftMaxOpt,
           alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients use (default: the name given)."),
           strict_model_name: bool = typer.Option(False, "--strict-model-name", help="Answer 404 to requests naming "
                                                  "another model (default: serve the one model under any name)."),
@@ -107,10 +76,7 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
                                               "times (default 0: off, fixed --max-batched-tokens chunks)."),
           max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue", help="Requests waiting for their first step past "
                                         "which new ones get 503 with Retry-After (at least 1)."),
-          schedule: str = typer.Option("fcfs", "--schedule", help="Admission order: fcfs, or cache_aware (longest "
-                                       "cached prefix first, none passed over more than 16 times)."),
-          output_reserve: int = typer.Option(64, "--output-reserve", help="Output tokens of KV a request must find "
-                                             "room for to be admitted (0: admit greedily and preempt when full)."),
+          schedule: str = ScheduleOpt, output_reserve: int = OutputReserveOpt,
           max_body: int = typer.Option(8 * 2**20, "--max-body", help="Largest request body in bytes (also "
                                        "bounded by what the context can hold)."),
           allow_origin: Optional[List[str]] = typer.Option(None, "--allow-origin", help="A web origin allowed to "
@@ -122,8 +88,6 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     """Serve the OpenAI API (chat, completions, models), /health and /metrics, batching all requests."""
     import uvicorn
 
-    from localrun.cli_options import speculative_options
-    from localrun.api import LLM
     from localrun.server.app import ServerConfig, create_app
     from localrun.server.timeouts import uvicorn_options
 
@@ -142,22 +106,17 @@ def serve(model: Optional[str] = typer.Argument(None, help="A .gguf path or a ca
     if not is_loopback(host) and not api_key:
         err.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the model")
+    config = engine_config(ctx=ctx, threads=threads, kv_type=kv_type, gpu_layers=gpu_layers, draft_model=draft_model,
+                           spec=spec, draft_max=draft_max, cache_dir=cache_dir, no_disk_cache=no_disk_cache,
+                           cache_disk=cache_disk, cache_ram=cache_ram, n_parallel=parallel,
+                           max_num_batched_tokens=max_batched_tokens or DEFAULT_BATCHED_TOKENS,
+                           enable_chunked_prefill=not no_chunked_prefill, kv_budget_bytes=kv_budget,
+                           enable_prefix_caching=not no_prefix_cache, scheduling=schedule,
+                           output_reserve_tokens=output_reserve)
     check_port_free(host, port)
-    from localrun.tune import apply_profile
-    threads, tuned, _ = apply_profile(model, threads, {"n_gpu_layers": gpu_layers,
-                                                       "max_num_batched_tokens": max_batched_tokens})
-    gpu_layers = tuned.get("n_gpu_layers", gpu_layers)
-    max_batched_tokens = tuned.get("max_num_batched_tokens") or 512
-    with err.status("loading model..."):
-        llm = LLM(model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_parallel=parallel,
-                  enable_prefix_caching=not no_prefix_cache, max_num_batched_tokens=max_batched_tokens,
-                  enable_chunked_prefill=not no_chunked_prefill, kv_budget_bytes=_bytes(kv_budget, "--kv-budget"),
-                  disk_cache=not no_disk_cache, cache_dir=cache_dir, cache_disk=cache_disk, cache_ram=cache_ram,
-                  n_gpu_layers=gpu_layers, num_speculative_tokens=draft_max, scheduling=schedule,
-                  output_reserve_tokens=output_reserve, **speculative_options(draft_model, spec))
-        llm.engine    # build the KV pool now, not on the first request
-        if itl_target_ms:
-            llm.engine.set_itl_target(itl_target_ms / 1000)
+    llm = load_llm(model, config, max_batched_tokens=max_batched_tokens, default_batched_tokens=DEFAULT_BATCHED_TOKENS)
+    if itl_target_ms:
+        llm.engine.set_itl_target(itl_target_ms / 1000)
     from localrun.models import DEFAULT_MODEL
     given = model or DEFAULT_MODEL
     name = alias or (given if not given.endswith(".gguf") else llm.model_path.stem)

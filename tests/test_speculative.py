@@ -386,6 +386,6 @@ def test_api_and_cli(tiny_gguf):
 def test_the_cli_builds_the_engine_while_loading(tiny_gguf):
     """The engine (and the speculator's cost measurements, ~3 s for SmolLM2 here) is built
     with the model, not inside the first request, whose TTFT would otherwise include it."""
-    from localrun.cli import _load
-    llm = _load(str(tiny_gguf("F32")), ctx=256, threads=1, speculative="ngram")
+    from localrun.cli_options import engine_config, load_llm
+    llm = load_llm(str(tiny_gguf("F32")), engine_config(ctx=256, threads=1, spec="ngram"))
     assert llm._engine is not None and llm._engine.speculator is not None

@@ -24,16 +24,18 @@ from localrun.engine.model_runner import ModelRunner
 from localrun.engine.window_blocks import num_window_blocks
 from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_type, kv_bytes_per_element
 from localrun.engine.ram_cache import HostKVCache, default_ram_bytes
-from localrun.engine.scheduler import Scheduler, SchedulerConfig
+from localrun.engine.scheduler import Scheduler
 from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.engine.spec_control import StepCostModel
 from localrun.engine.speculative import SpeculativeConfig, make_speculator, measure_forward_seconds
+from localrun.engine_config import DEFAULT_OUTPUT_RESERVE_TOKENS, DEFAULT_WATERMARK, EngineConfig  # noqa: F401
 from localrun.errors import UserError
 from localrun.model.llama import Transformer
 from localrun.sampling import InvalidSamplingParam, SamplerState, SamplingParams, TokenLogprob
 
 HOST_MEMORY_FRACTION = 0.25     # of available RAM, for layers on the CPU
 DEVICE_MEMORY_FRACTION = 0.5    # of free accelerator memory (the weights are already there)
+DISK_WRITE_SHARE = 0.1          # under load, without an ITL target: disk-cache writes per step, as a share of it
 
 
 class StepOutput(NamedTuple):
@@ -62,26 +64,29 @@ def default_num_tokens(devices: list[torch.device], bytes_per_layer_token: float
     return min(int(free_memory_bytes(d) // (n * bytes_per_layer_token)) for d, n in layers_on.items())
 
 
-# Admission (scheduler.py): a request is admitted while the free blocks cover its prompt, the
-# next DEFAULT_OUTPUT_RESERVE_TOKENS tokens of it and of every running sequence, and 1% of the
-# pool (vLLM's watermark). 64 tokens are four blocks of 16: most chat replies' first seconds,
-# and few enough that a generous budget never notices.
-DEFAULT_OUTPUT_RESERVE_TOKENS = 64
-DEFAULT_WATERMARK = 0.01
-
-
 class LLMEngine:
 
-    def __init__(self, model: Transformer, *, tokenizer_eog_ids: tuple[int, ...] | frozenset[int] = (),
-                 num_blocks: int | None = None, kv_budget_bytes: int | None = None,
-                 block_size: int = 16, kv_type: str | None = None, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 policy: str = "fcfs", check_stop: Callable[[Sequence], str | None] | None = None,
+    def __init__(self, model: Transformer, engine_config: EngineConfig | None = None, *,
+                 tokenizer_eog_ids: tuple[int, ...] | frozenset[int] = (),
                  clock: Callable[[], float] = time.monotonic, disk_cache: DiskCacheConfig | None = None,
-                 ram_cache_bytes: int | None = None,
                  speculative: SpeculativeConfig | None = None, draft_model: Transformer | None = None,
-                 output_reserve_tokens: int = DEFAULT_OUTPUT_RESERVE_TOKENS, watermark: float = DEFAULT_WATERMARK):
+                 num_blocks: int | None = None, block_size: int = 16,
+                 check_stop: Callable[[Sequence], str | None] | None = None, **options):
+        """engine_config: the options (localrun/engine_config.py), checked there; or, as keywords,
+        the engine's own names for them (max_num_seqs, max_model_len, kv_type, kv_budget_bytes,
+        max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, policy,
+        ram_cache_bytes, output_reserve_tokens, watermark: EngineConfig.for_engine). The other
+        arguments are what the engine is given: end-of-generation ids, a clock, the disk
+        cache's place, the speculation method with its built draft model, and the pool's exact
+        shape (num_blocks, block_size) for tests."""
+        if engine_config is None:
+            engine_config = EngineConfig.for_engine(**options)
+        elif options:
+            raise TypeError(f"give the options in engine_config, not also as keywords: {', '.join(options)}")
+        self.engine_config = c = engine_config     # under the names the pool sizing below reads
+        kv_type, kv_budget_bytes, max_num_seqs = c.kv_type, c.kv_budget_bytes, c.n_parallel
+        max_num_batched_tokens, max_model_len = c.max_num_batched_tokens, c.n_ctx
+        enable_prefix_caching, ram_cache_bytes = c.enable_prefix_caching, c.cache_ram
         config = model.config
         kv_type = check_kv_type(kv_type or default_kv_type(model.dtype))
         max_positions = model.freqs.shape[0]
@@ -127,11 +132,7 @@ class LLMEngine:
                            self.block_manager.hash_seed.hex())
             self.disk_cache = DiskKVCache(disk_cache, ns, self.kv_cache)
             self.block_manager.lower_tiers.append(self.disk_cache)
-        scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
-                                           max_num_batched_tokens=max_num_batched_tokens,
-                                           enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-                                           max_model_len=self.max_model_len,
-                                           output_reserve_tokens=output_reserve_tokens, watermark=watermark)
+        scheduler_config = engine_config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids),
                                    check_stop, clock)
         self.runner = ModelRunner(model, self.kv_cache, batch_invariant_decode=speculative is not None,
@@ -268,6 +269,9 @@ class LLMEngine:
             self._release(seq)
         if not self.scheduler.has_unfinished():
             self._set_tiers_busy(False)
+        elif self.disk_cache is not None:     # busy: let the disk writer use this step's slack
+            target = self.scheduler.config.itl_target_s
+            self.disk_cache.write_window(max(target - execute_s, 0.0) if target else DISK_WRITE_SHARE * execute_s)
         return outputs
 
     def _finish_failed(self, batch, sampled: list) -> dict[str, str]:
@@ -341,6 +345,7 @@ class LLMEngine:
                 "disk_cache_max_bytes": self.disk_cache.max_bytes,
                 "disk_cache_written_blocks": self.disk_cache.stats.num_written_blocks,
                 "disk_cache_write_drops": self.disk_cache.stats.num_write_drops,
+                "disk_cache_window_s": self.disk_cache.stats.window_s,
                 "disk_cache_corrupt_files": self.disk_cache.stats.num_corrupt,
                 "disk_cache_load_s": self.disk_cache.stats.load_s} if self.disk_cache is not None else {}),
             "num_preemptions": sched.num_preemptions,
