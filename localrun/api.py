@@ -44,7 +44,7 @@ def default_dtype() -> torch.dtype:
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str                      # "stop" | "length"
+    finish_reason: str                      # "stop" | "length" | "abort"; chat with tools: "tool_calls"
     timings: dict = field(default_factory=dict)
     dropped_messages: int = 0               # chat: oldest messages left out to fit the context
     logprobs: list[TokenLogprob] | None = None   # per generated token, when logprobs= was given

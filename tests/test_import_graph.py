@@ -76,3 +76,17 @@ def test_localrun_has_no_import_circles():
 
 def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_server_touches_no_private_attribute_of_another_object():
+    """The server is typed on the engine and the front end and goes through their public
+    methods (no `loop._thread`, `llm._check_ids`, `engine.block_manager` reach-throughs)."""
+    import re
+    for path in sorted((ROOT / "localrun" / "server").glob("*.py")):
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        tree = ast.parse(path.read_text())
+        private = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                   and node.attr.startswith("_") and not node.attr.startswith("__")
+                   and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+        assert private == [], (path.name, private)
+        assert not re.search(r"\.engine\.(block_manager|scheduler|kv_cache)\b", code), path.name
