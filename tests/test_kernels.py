@@ -237,6 +237,35 @@ def test_paged_attention_equals_float64_reference(hd, n_kv, group):
             assert np.array_equal(torch.ops.localrun.paged_attention(*args([r])).numpy()[0], out[r])
 
 
+@pytest.mark.parametrize("hd", [64, 40])
+def test_paged_attention_long_rows_split_and_merged(hd):
+    """Rows longer than the kernel's 512-position chunk are computed in chunks on several threads
+    and merged: against float64, with and without a window longer than a chunk, and each row the
+    same bits alone as beside other rows."""
+    rng = np.random.default_rng(hd + 1)
+    n_kv, group, lengths = 2, 3, [1100, 513, 40, 1030]
+    H, per_seq = n_kv * group, 70
+    num_blocks = per_seq * len(lengths)
+    tables = rng.permutation(num_blocks).reshape(len(lengths), per_seq)
+    k_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
+    v_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
+    q = rng.standard_normal((len(lengths), H, hd)).astype(np.float32) * 2
+    k = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
+    slots = np.array([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)])
+    for window in (0, 700):
+        kp, vp = torch.from_numpy(k_pool.copy()), torch.from_numpy(v_pool.copy())
+        args = lambda rows: (torch.from_numpy(q[rows]), torch.from_numpy(k[rows]), torch.from_numpy(v[rows]), kp, vp,
+                             torch.from_numpy(slots[rows]), torch.from_numpy(tables), torch.tensor(rows),
+                             torch.tensor([lengths[r] for r in rows]), BLOCK, window)
+        out = torch.ops.localrun.paged_attention(*args(list(range(len(lengths))))).numpy()
+        for r, n in enumerate(lengths):
+            exact = attention_reference(q[r], kp.numpy(), vp.numpy(), tables[r], n, window)
+            np.testing.assert_allclose(out[r], exact, rtol=0, atol=3e-6 * max(1.0, np.abs(exact).max()),
+                                       err_msg=f"row {r} window {window}")
+            assert np.array_equal(torch.ops.localrun.paged_attention(*args([r])).numpy()[0], out[r])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hd", [64, 40])
 def test_paged_attention_16bit_pool_equals_float32_pool_of_its_values(dtype, hd):

@@ -43,6 +43,7 @@ struct RowArgs {
     float scale;
     float* scores;             // scratch: heads * (L - first + 8) scores, heads * hd sums, block_size * hd rows
     float* out;                // (heads, hd)
+    float* ml;                 // nullptr, or (heads, 2): each head's score maximum and sum of e^(s - max)
 };
 
 // Pool formats. rows(): where the rows off..off+n-1 of block b (KV head g) are as float32, and
@@ -175,7 +176,9 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
             for (int k = 0; j + k < n; k++) sc_h[j + k] = e[k];
             vsum += e;
         }
-        inv[hh] = 1.0f / hsum8(vsum);
+        const float sum = hsum8(vsum);
+        inv[hh] = 1.0f / sum;
+        if (a.ml) { a.ml[2 * hh] = mx[hh]; a.ml[2 * hh + 1] = sum; }
         for (int64_t i = 0; i < hd; i++) acc_all[hh * hd + i] = 0.f;
     }
     // out_hh = sum_p e_p v_p / sum, a block's values used by every head while in L1
@@ -229,6 +232,7 @@ inline void attend_scalar(const RowArgs& a) {
             for (int64_t d = 0; d < a.hd; d++) out[d] += a.scores[p - a.first] * v[d];
         }
         for (int64_t d = 0; d < a.hd; d++) out[d] /= sum;
+        if (a.ml) { a.ml[2 * hh] = mx; a.ml[2 * hh + 1] = sum; }
     }
 }
 
@@ -277,6 +281,8 @@ const Kernels& kernels() {
     }();
     return chosen;
 }
+
+constexpr int64_t CHUNK = 512;   // positions per task of one long row (a multiple of every block size we use)
 
 template <typename E>
 void write_rows(E* pool, const float* x, const int64_t* slots, int64_t T, int64_t row) {
@@ -335,27 +341,69 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const float scale = 1.0f / std::sqrt((float)hd);
     const int64_t group = H / n_kv;
     const Kernels& chosen = kernels();
-    // Tasks: (row, KV head, slice of its query heads). The heads of a KV head stay in one task
-    // unless there are too few tasks for the threads (one decode row of a model with one or two
-    // KV heads): then they are split, each slice reading the keys and values on its own.
-    const int64_t want = 2 * at::get_num_threads(), pairs = T * n_kv;
+    // Tasks: (row, KV head, chunk of positions, slice of its query heads). A row over more than
+    // CHUNK positions is split into chunks of CHUNK from its first position on (flash-decoding),
+    // so that one long row keeps every thread reading different keys; the chunks' partial outputs
+    // are merged in chunk order. The chunks depend on the row alone, so a row's bits do not
+    // depend on what else is in the call. The heads of a KV head stay in one task unless there
+    // are too few tasks for the threads (one short decode row of a model with one or two KV
+    // heads): then they are split, each slice reading the keys and values on its own.
+    struct Task { int64_t t, g, first, end, part; };      // part: the row's partial slot, -1: none
+    std::vector<Task> tasks;
+    std::vector<int64_t> part_row;                          // partial slot -> its row
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t L = lenp[t], first = window > 0 && L > window ? L - window : 0;   // first position attended
+        const int64_t* table = tp + seqp[t] * max_blocks;
+        for (int64_t b = first / block_size; b <= (L - 1) / block_size; b++)
+            TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
+                        "localrun::paged_attention: block table entry out of range");
+        const int64_t chunks = (L - first + CHUNK - 1) / CHUNK;
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t part = chunks > 1 ? (int64_t)part_row.size() : -1;
+            if (chunks > 1) part_row.push_back(t);
+            for (int64_t g = 0; g < n_kv; g++) tasks.push_back({t, g, first + c * CHUNK, std::min(L, first + (c + 1) * CHUNK), part});
+        }
+    }
+    const int64_t want = 2 * at::get_num_threads(), pairs = (int64_t)tasks.size();
     const int64_t slices = std::min<int64_t>(group, std::max<int64_t>(1, (want + pairs - 1) / pairs));
     const int64_t per = (group + slices - 1) / slices;
+    std::vector<float> partial(part_row.size() * H * hd), ml(part_row.size() * H * 2);
     at::parallel_for(0, pairs * slices, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> scratch;
         for (int64_t i = i0; i < i1; i++) {
-            const int64_t t = i / (n_kv * slices), g = i / slices % n_kv, h0 = g * group + i % slices * per;
-            const int64_t heads = std::min(per, (g + 1) * group - h0), L = lenp[t];
+            const Task& task = tasks[i / slices];
+            const int64_t t = task.t, g = task.g, h0 = g * group + i % slices * per;
+            const int64_t heads = std::min(per, (g + 1) * group - h0);
             if (heads <= 0) continue;
-            const int64_t first = window > 0 && L > window ? L - window : 0;   // first position attended
-            const int64_t* table = tp + seqp[t] * max_blocks;
-            for (int64_t b = first / block_size; b <= (L - 1) / block_size; b++)
-                TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
-                            "localrun::paged_attention: block table entry out of range");
-            scratch.resize(heads * (L - first + 8 + hd) + block_size * hd);
-            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, table, block_size, n_kv, g, hd, first, L, heads, scale,
-                               scratch.data(), op + (t * H + h0) * hd};
+            scratch.resize(heads * (task.end - task.first + 8 + hd) + block_size * hd);
+            float* dst = task.part < 0 ? op + (t * H + h0) * hd : partial.data() + (task.part * H + h0) * hd;
+            float* dst_ml = task.part < 0 ? nullptr : ml.data() + (task.part * H + h0) * 2;
+            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, tp + seqp[t] * max_blocks, block_size,
+                               n_kv, g, hd, task.first, task.end, heads, scale, scratch.data(), dst, dst_ml};
             chosen.attend(args, type);
+        }
+    });
+    // merge a split row's chunks, in chunk order: out = sum_c w_c o_c / sum_c w_c, w_c = l_c e^(m_c - max)
+    std::vector<int64_t> row_first(T, -1);
+    for (int64_t s = (int64_t)part_row.size() - 1; s >= 0; s--) row_first[part_row[s]] = s;
+    at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t t = i / H, h = i % H, s0 = row_first[t];
+            if (s0 < 0) continue;
+            int64_t s1 = s0;
+            while (s1 < (int64_t)part_row.size() && part_row[s1] == t) s1++;
+            float m = -INFINITY;
+            for (int64_t s = s0; s < s1; s++) m = std::max(m, ml[(s * H + h) * 2]);
+            float* o = op + (t * H + h) * hd;
+            float total = 0.f;
+            for (int64_t d = 0; d < hd; d++) o[d] = 0.f;
+            for (int64_t s = s0; s < s1; s++) {
+                const float w = ml[(s * H + h) * 2 + 1] * std::exp(ml[(s * H + h) * 2] - m);
+                const float* oc = partial.data() + (s * H + h) * hd;
+                for (int64_t d = 0; d < hd; d++) o[d] += w * oc[d];
+                total += w;
+            }
+            for (int64_t d = 0; d < hd; d++) o[d] /= total;
         }
     });
     return out;
