@@ -75,11 +75,18 @@ def load_llm(model: str | None, config: EngineConfig, *, max_batched_tokens: int
     """The model with its engine built (KV pool, disk index, speculation costs), not inside the
     first request's TTFT. The model's tuned profile (localrun tune) fills what the flags left
     unset: threads, GPU layers when 'auto', and the step's token budget when the flag
-    (max_batched_tokens) was not given (then default_batched_tokens, else config's)."""
+    (max_batched_tokens) was not given (then default_batched_tokens, else config's). Threads
+    that neither -t nor a profile set follow layerplan's advice: the physical cores less those
+    other work keeps busy (oversubscription collapses decode on a small machine)."""
+    from layerplan.threads import advise_threads
     from localrun.api import LLM
     from localrun.tune import apply_profile
     asked = {"n_gpu_layers": config.n_gpu_layers, "max_num_batched_tokens": max_batched_tokens}
     threads, tuned, used_profile = apply_profile(model, config.n_threads, asked)
+    advice = None
+    if threads is None:
+        advice = advise_threads()
+        threads = advice.recommended
     batched = tuned.get("max_num_batched_tokens") or default_batched_tokens or config.max_num_batched_tokens
     config = dataclasses.replace(config, n_threads=threads, n_gpu_layers=tuned.get("n_gpu_layers", "auto"),
                                  max_num_batched_tokens=batched)
@@ -87,4 +94,6 @@ def load_llm(model: str | None, config: EngineConfig, *, max_batched_tokens: int
         llm = LLM(model, config)
         llm.engine
     err.print(f"[dim]{llm.plan_summary}{' · tuned profile' if used_profile else ''}[/dim]")
+    if advice is not None and advice.busy_cores:
+        err.print(f"[dim]threads: {advice.reason} (set -t to choose)[/dim]")
     return llm
