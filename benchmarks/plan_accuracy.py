@@ -106,8 +106,7 @@ def predict(path, measured: dict, calibration) -> dict:
     kv = measured["kv_type"]
     plan = layerplan.plan(profile, machine, n_ctx=measured["n_ctx"], n_parallel=measured["n_parallel"], kv_type=kv,
                           n_gpu_layers=0, margin_bytes=0, prompt_tokens=measured["prompt_tokens"], with_sweep=False)
-    ledger = engine_ledger(plan, EngineOptions(dtype_bytes=dtype_bytes,
-                                               kv_bytes_per_value={"f32": 4, "f16": 2, "bf16": 2}[kv]))
+    ledger = engine_ledger(plan, EngineOptions(dtype_bytes=dtype_bytes, kv_type=kv))
     resident = sum(i.n_bytes for i in ledger.items if i.what != "compute buffers")
     fill = measured["prompt_tokens"] + measured["generated_tokens"] // 2
     speed = layerplan.predict(profile, machine, plan.placement, plan.settings,

@@ -41,6 +41,33 @@ KV_ALIASES = {"int8": "q8_0", "fp16": "f16", "float16": "f16", "bfloat16": "bf16
               "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 
 
+# localrun's own engine (localrun/engine/paged_kv.py) stores KV in its own layouts: this is the
+# one place their sizes are written down; the engine sizes its pool with it and the ledger
+# plans with it (tests/test_kv_bytes_agree.py checks both against a real pool).
+ENGINE_KV_TYPES = ("f32", "bf16", "f16", "int8", "fp8")
+ENGINE_SCALE_GROUP = 32         # values per float32 scale along head_dim for per-token scales (q8_0's block)
+ENGINE_SCALE_BYTES = 4
+
+
+def engine_scale_group(head_dim: int) -> int:
+    return ENGINE_SCALE_GROUP if head_dim % ENGINE_SCALE_GROUP == 0 else head_dim
+
+
+def engine_kv_bytes_per_value(kv_type: str, head_dim: int, block_size: int) -> float:
+    """Bytes one K or V value costs on average in localrun's KV pool, scales included: f32,
+    bf16, f16 as stored; fp8 (K and V) and int8 V with one float32 scale per 32 values of a
+    token's head; int8 K with one float32 scale per block per channel."""
+    plain = {"f32": 4, "bf16": 2, "f16": 2}
+    if kv_type in plain:
+        return plain[kv_type]
+    if kv_type not in ENGINE_KV_TYPES:
+        raise ValueError(f"unknown engine KV type '{kv_type}'; use one of {', '.join(ENGINE_KV_TYPES)}")
+    per_token = 1 + ENGINE_SCALE_BYTES / engine_scale_group(head_dim)
+    if kv_type == "fp8":
+        return per_token
+    return (per_token + 1 + ENGINE_SCALE_BYTES / block_size) / 2     # int8: V per token, K per channel
+
+
 def kv_type(name: str) -> KVType:
     """Look up a KV type by name ('f16', 'q8_0', 'int8' = q8_0's layout, 'fp8', ...)."""
     key = KV_ALIASES.get(name.lower(), name.lower())

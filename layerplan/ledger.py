@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from layerplan.buffers import CUDA_CONTEXT_BYTES
 from layerplan.ggml_types import GGML_TYPES_BY_NAME
 from layerplan.gguf_header import GGUFHeader, LongArray, TensorInfo, read_header
-from layerplan.kv_cache import layer_kv_tokens
+from layerplan.kv_cache import ENGINE_KV_TYPES, KV_ALIASES, engine_kv_bytes_per_value, layer_kv_tokens
 from layerplan.model_profile import ModelProfile
 
 # GGML types localrun's compiled kernels multiply in place (localrun/kernels KERNEL_TYPES)
@@ -43,6 +43,8 @@ F32 = 4
 class EngineOptions:
     dtype_bytes: int = 4            # the compute dtype (float32 by default: localrun.api.default_dtype)
     kv_bytes_per_value: float = 2   # the KV pool's element size: f16 for a float32 model (the engine's default)
+    kv_type: str | None = None      # the engine's KV type ("f16", "int8", ...): its layout's size, scales
+                                    # included (kv_cache.engine_kv_bytes_per_value), instead of kv_bytes_per_value
     kernels: bool = True            # localrun's compiled kernels are loaded
     draft: ModelProfile | None = None
     ram_kv_tier_bytes: int = 0      # cache_ram: host RAM for evicted prefix blocks
@@ -116,6 +118,12 @@ def _weight_items(plan, header: GGUFHeader, options: EngineOptions) -> dict[tupl
     return totals
 
 
+def engine_kv_type(plan_kv_type: str) -> str | None:
+    """The engine's KV type for a plan's ('q8_0' is the engine's int8), None if it has none."""
+    name = KV_ALIASES.get(plan_kv_type, plan_kv_type)
+    return "int8" if name == "q8_0" else name if name in ENGINE_KV_TYPES else None
+
+
 def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
     """The ledger of `plan` (layerplan.Plan) for localrun's engine. Weights per tensor when the
     plan's profile comes from a GGUF file; for a built-in shape, the profile's bytes as stored."""
@@ -129,10 +137,15 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
         for k, usage in enumerate(placement.usage):
             if usage.weights_bytes:
                 items.append(LedgerItem(k, "weights, as stored", usage.weights_bytes))
+    def per_value(layer) -> float:
+        if options.kv_type is None:
+            return options.kv_bytes_per_value
+        return engine_kv_bytes_per_value(options.kv_type, layer.head_dim_k, KV_BLOCK_SIZE)
+
     kv = [0] * len(machine.devices)
     for il, layer in enumerate(profile.layers):
         values = layer.n_kv_head * (layer.head_dim_k + layer.head_dim_v)
-        kv[placement.kv_devices[il]] += round(values * options.kv_bytes_per_value
+        kv[placement.kv_devices[il]] += round(values * per_value(layer)
                                               * layer_kv_tokens(layer, settings.n_ctx, settings.n_parallel))
     for k, n_bytes in enumerate(kv):
         if n_bytes:
@@ -146,7 +159,7 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
     items.append(LedgerItem(host, "tokenizer (vocabulary and tables)", _tokenizer_bytes(header, profile.n_vocab)))
     if options.draft is not None:
         draft = options.draft
-        draft_kv = sum(round(l.n_kv_head * (l.head_dim_k + l.head_dim_v) * options.kv_bytes_per_value
+        draft_kv = sum(round(l.n_kv_head * (l.head_dim_k + l.head_dim_v) * per_value(l)
                              * layer_kv_tokens(l, settings.n_ctx, settings.n_parallel)) for l in draft.layers)
         items.append(LedgerItem(host, f"draft model {draft.name} (weights and KV)", draft.weight_bytes + draft_kv))
     if options.ram_kv_tier_bytes:

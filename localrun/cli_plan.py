@@ -124,9 +124,11 @@ def plan(
         raise UserError(str(err)) from None
     from dataclasses import replace
 
-    from layerplan.ledger import engine_ledger
+    from layerplan.ledger import EngineOptions, engine_kv_type, engine_ledger
     from layerplan.threads import advise_threads
-    ledger = None if profile.is_moe else engine_ledger(result)  # the engine does not run MoE models
+    engine_kv = engine_kv_type(result.settings.kv_type)
+    # the engine does not run MoE models, nor KV types it has no layout for
+    ledger = None if profile.is_moe or engine_kv is None else engine_ledger(result, EngineOptions(kv_type=engine_kv))
     result = replace(result, threads=advise_threads(), ledger=ledger)
 
     if emit == "llama-server":

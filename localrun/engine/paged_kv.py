@@ -36,18 +36,19 @@ from typing import NamedTuple
 
 import torch
 
+from layerplan.kv_cache import (ENGINE_KV_TYPES, ENGINE_SCALE_BYTES, ENGINE_SCALE_GROUP, engine_kv_bytes_per_value,
+                                engine_scale_group)
 from localrun.errors import UserError
 
 FLOAT_KV_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-KV_TYPES = (*FLOAT_KV_TYPES, "int8", "fp8")
+KV_TYPES = ENGINE_KV_TYPES
+assert set(FLOAT_KV_TYPES) <= set(KV_TYPES)
 INT8_MAX = 127.0
-SCALE_BYTES = 4                 # scales are float32
 MIN_SCALE = 1e-12               # an all-zero vector still gets a usable scale
-SCALE_GROUP = 32                # values per scale along head_dim for per-token scales (q8_0's block)
-
-
-def scale_group(head_dim: int) -> int:
-    return SCALE_GROUP if head_dim % SCALE_GROUP == 0 else head_dim
+# the layouts' sizes are written down once, in layerplan (which plans with them)
+SCALE_BYTES = ENGINE_SCALE_BYTES                # scales are float32
+SCALE_GROUP = ENGINE_SCALE_GROUP                # values per scale along head_dim for per-token scales
+scale_group = engine_scale_group
 
 
 def default_kv_type(compute_dtype: torch.dtype) -> str:
@@ -86,12 +87,7 @@ def check_kv_type(kv_type: str) -> str:
 
 def kv_bytes_per_element(kv_type: str, head_dim: int, block_size: int) -> float:
     """Bytes one K or V element costs on average in the pool, scales included."""
-    if kv_type in FLOAT_KV_TYPES:
-        return FLOAT_KV_TYPES[kv_type].itemsize
-    per_token = 1 + SCALE_BYTES / scale_group(head_dim)
-    if kv_type == "fp8":
-        return per_token
-    return (per_token + 1 + SCALE_BYTES / block_size) / 2     # int8: V per token, K per channel
+    return engine_kv_bytes_per_value(check_kv_type(kv_type), head_dim, block_size)
 
 
 class WriteTarget(NamedTuple):
