@@ -237,6 +237,47 @@ def test_paged_attention_equals_float64_reference(hd, n_kv, group):
             assert np.array_equal(torch.ops.localrun.paged_attention(*args([r])).numpy()[0], out[r])
 
 
+@pytest.mark.parametrize("kv_type", ["int8", "fp8"])
+@pytest.mark.parametrize("hd", [64, 40])
+def test_paged_attention_quantized_pool_equals_float32_pool_of_its_values(kv_type, hd):
+    """int8 (K per block and channel, V per token) and fp8 pools, as the engine's stores write
+    them, read in place with their scales: bit for bit the float32 kernel over the values the
+    stores' own read dequantizes (so each value is code * scale, one float32 product)."""
+    from localrun.engine import paged_kv
+    from localrun.engine.paged_kv import PagedKVCache, WriteTarget
+    if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    g = torch.Generator().manual_seed(hd)
+    n_kv, group, num_blocks, lengths = 2, 3, 24, [1, 9, 16, 40, 95, 700]
+    cache = PagedKVCache(num_blocks=num_blocks * 3, block_size=BLOCK, n_layers=1, n_head_kv=n_kv, head_dim=hd,
+                         kv_type=kv_type, compute_dtype=torch.float32)
+    k_store, v_store = cache.layers[0]
+    for b in range(num_blocks * 3):                       # every block written whole, as a prompt would
+        target = WriteTarget(torch.arange(b * BLOCK, (b + 1) * BLOCK), torch.tensor([b]), 0)
+        k_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g) * 3)
+        v_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g))
+    everything = torch.arange(num_blocks * 3)
+    kf = k_store.read(everything, num_blocks * 3 * BLOCK, torch.float32)
+    vf = v_store.read(everything, num_blocks * 3 * BLOCK, torch.float32)
+    tables = torch.stack([torch.randperm(num_blocks * 3, generator=g)[:45] for _ in lengths])
+    q = torch.randn(len(lengths), n_kv * group, hd, generator=g)
+    slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)])
+    none = torch.empty(0, n_kv, hd)
+    for window in (0, 20):
+        rest = lambda rows: (slots[rows], tables, torch.tensor(rows), torch.tensor([lengths[r] for r in rows]), BLOCK, window)
+        rows = list(range(len(lengths)))
+        got = torch.ops.localrun.paged_attention(q, none, none, k_store.data, v_store.data, *rest(rows),
+                                                 k_scale=k_store.scale, v_scale=v_store.scale)
+        kp, vp = kf.clone(), vf.clone()
+        same = torch.ops.localrun.paged_attention(q, kf[slots], vf[slots], kp, vp, *rest(rows))
+        assert torch.equal(got, same), f"window {window}"
+        alone = torch.ops.localrun.paged_attention(q[[4]], none, none, k_store.data, v_store.data, *rest([4]),
+                                                   k_scale=k_store.scale, v_scale=v_store.scale)
+        assert torch.equal(alone[0], got[4])
+    with pytest.raises(RuntimeError, match="k_scale and v_scale"):
+        torch.ops.localrun.paged_attention(q, none, none, k_store.data, v_store.data, *rest(rows))
+
+
 @pytest.mark.parametrize("hd", [64, 40])
 def test_paged_attention_long_rows_split_and_merged(hd):
     """Rows longer than the kernel's 512-position chunk are computed in chunks on several threads

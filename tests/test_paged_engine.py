@@ -177,6 +177,34 @@ def test_continuous_batching_equals_each_request_alone(model, prefix_caching, ch
     assert not engine.runner.generators
 
 
+@pytest.mark.parametrize("kv_type", ["int8", "fp8"])
+def test_quantized_kv_through_the_paged_kernel_equals_the_gather_path(tiny_gguf, kv_type, monkeypatch):
+    """int8/fp8 decode rows are written through the stores (their scales) and read in place by
+    the paged kernel: the same greedy outputs as the gather + SDPA path over the same pool."""
+    from localrun import kernels
+    if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    if not kernels.available():
+        pytest.skip("localrun's kernels did not compile here")
+    model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1).model   # the kernels' model
+    kernel_engine = make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=16, kv_type=kv_type)
+    assert kernel_engine.kv_cache.supports_paged_attention and not kernel_engine.kv_cache.kernel_writes
+    quantized_calls = []
+    real = torch.ops.localrun.paged_attention
+
+    def counting(*args, **kwargs):
+        quantized_calls.append(args[-1] is not None)            # v_scale
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.localrun, "paged_attention", counting)
+    with_kernel = [s.generated_token_ids for s in run_all(kernel_engine, PROMPTS, GREEDY)]
+    assert quantized_calls and all(quantized_calls)
+    monkeypatch.setattr(paged_kv.PagedKVCache, "supports_paged_attention", property(lambda self: False))
+    gather_engine = make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=16, kv_type=kv_type)
+    with_gather = [s.generated_token_ids for s in run_all(gather_engine, PROMPTS, GREEDY)]
+    assert with_kernel == with_gather
+
+
 def test_prefix_cache_serves_the_shared_blocks_of_a_second_request(model):
     engine = make_engine(model, block_size=16)
     prefix = random_ids(40, seed=20)

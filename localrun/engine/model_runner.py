@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from localrun.engine.paged_kv import PagedKVCache
+from localrun.engine.paged_kv import PagedKVCache, WriteTarget
 from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
 from localrun.engine.speculative import verify_draft
@@ -114,8 +114,19 @@ class ModelRunner:
             local_tables = torch.tensor([t + [-1] * (local_width - len(t)) for t in local], dtype=torch.long)
             local_slots = torch.tensor([local[i][p // bs] * bs + p % bs for i, e in enumerate(entries)
                                         for p in range(e.start_position, e.start_position + e.num_new_tokens)])
+        write = scales = None
+        if not self.kv_cache.kernel_writes:       # quantized: each sequence's rows through the stores
+            targets, row = [], 0
+            for e in entries:
+                first, end = e.start_position, e.start_position + e.num_new_tokens
+                blocks = torch.tensor(e.seq.block_table[first // bs:(end - 1) // bs + 1], dtype=torch.long)
+                targets.append((row, row + e.num_new_tokens, WriteTarget(torch.tensor(slots[row:row + e.num_new_tokens]),
+                                                                         blocks, first % bs)))
+                row += e.num_new_tokens
+            kv_cache = self.kv_cache
+            write, scales = (lambda layer, k, v: kv_cache.write_rows(layer, targets, k, v)), kv_cache.scales
         return PagedRows(num_rows, torch.tensor(slots), tables, torch.tensor(row_seq), torch.tensor(row_len), bs,
-                         self.kv_cache.float_pools, local_slots, local_tables)
+                         self.kv_cache.float_pools, local_slots, local_tables, write, scales)
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int] | Exception]:
         """Per sampling entry, in entry order (what Scheduler.postprocess takes): one token id,

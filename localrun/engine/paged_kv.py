@@ -254,13 +254,33 @@ class PagedKVCache:
 
     @property
     def supports_paged_attention(self) -> bool:
-        """Whether localrun::paged_attention can read this pool in place: float32, float16 or
-        bfloat16 values on the CPU, for a float32 model (int8 and fp8 are read through the gather path)."""
-        return (self.kv_type in FLOAT_KV_TYPES and self.compute_dtype == torch.float32
-                and all(d.type == "cpu" for d in self.devices))
+        """Whether localrun::paged_attention can read this pool in place: any KV type on the
+        CPU, for a float32 model; a quantized pool only without a local (sliding-window) pool
+        (its rows are written through the stores first: write_rows)."""
+        return (self.compute_dtype == torch.float32 and all(d.type == "cpu" for d in self.devices)
+                and (self.kv_type in FLOAT_KV_TYPES or not self.local_layers))
+
+    @property
+    def kernel_writes(self) -> bool:
+        """Whether the paged kernel writes the new rows itself (float pools), or they go through
+        the stores first (quantized pools, whose scales the stores compute)."""
+        return self.kv_type in FLOAT_KV_TYPES
+
+    def write_rows(self, layer: int, targets: list[tuple[int, int, WriteTarget]], k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """The decode rows' K/V (T, n_kv, hd) through the stores, one sequence's rows at a time:
+        targets are (first row, end row, where those rows go)."""
+        for start, end, target in targets:
+            self.write(layer, target, k[start:end], v[start:end])
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantized layer's K and V scales, as the paged kernel reads them."""
+        k_store, v_store = self.layers[layer]
+        return k_store.scale, v_store.scale
 
     def float_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer's K and V values, (num_blocks * block_size, n_kv, hd), for the paged kernel."""
+        """Layer's K and V values (codes, for a quantized pool), (num_blocks * block_size, n_kv, hd),
+        for the paged kernel."""
         k_store, v_store = self.layers[layer]
         return k_store.data, v_store.data
 

@@ -42,8 +42,8 @@ class FusedDecode:
         return FusedDecode(block) if usable and kernels.available() else None
 
     def applies(self, x: torch.Tensor, segments, decode_rows: int, paged) -> bool:
-        return (paged is not None and not segments and x.dtype == torch.float32 and x.dim() == 2
-                and decode_rows == x.shape[0] == paged.num_rows)
+        return (paged is not None and paged.write is None and not segments and x.dtype == torch.float32
+                and x.dim() == 2 and decode_rows == x.shape[0] == paged.num_rows)
 
     def __call__(self, x: torch.Tensor, freqs: torch.Tensor, paged) -> torch.Tensor:
         k_pool, v_pool = paged.pools(self.layer)

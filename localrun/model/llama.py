@@ -46,7 +46,8 @@ class Segment:
 @dataclass
 class PagedRows:
     """The leading decode and verify rows of a batch (one query each over its own prefix),
-    attended in one kernel call per layer straight from a float32, float16 or bfloat16 KV pool
+    attended in one kernel call per layer straight from the KV pool (float32, float16, bfloat16,
+    or int8/fp8 with their scales)
     (localrun::paged_attention), with no gather and no loop over sequences. Built once per
     forward by the model runner, which then passes segments for the later rows only."""
     num_rows: int
@@ -58,6 +59,10 @@ class PagedRows:
     pools: object                 # layer -> (k_pool, v_pool), each (num_blocks * block_size, n_kv, hd)
     local_slots: torch.Tensor | None = None         # (T,) the same in the local layers' pool, if it has one
     local_block_tables: torch.Tensor | None = None  # (S, max_blocks) local tables, padded (-1: freed)
+    # quantized pools (int8, fp8): write(layer, k, v) stores the rows' K/V through the pool's
+    # stores (which compute the scales) before the kernel reads them; scales(layer) -> (k, v) scales
+    write: object = None
+    scales: object = None
 
 
 def rope_table(config: ModelConfig, max_positions: int, rope_freqs: torch.Tensor | None,
@@ -138,9 +143,14 @@ class Attention(nn.Module):
             slots, tables = paged.slots, paged.block_tables
             if self.window is not None and paged.local_slots is not None:     # the local layers' pool
                 slots, tables = paged.local_slots, paged.local_block_tables
-            out = torch.ops.localrun.paged_attention(q[:n], k[:n], v[:n], k_pool, v_pool, slots, tables,
+            k_new, v_new, k_scale, v_scale = k[:n], v[:n], None, None
+            if paged.write is not None:     # a quantized pool: its stores write, the kernel reads
+                paged.write(self.layer, k_new, v_new)
+                k_new = v_new = k.new_empty(0, n_kv, self.head_dim)
+                k_scale, v_scale = paged.scales(self.layer)
+            out = torch.ops.localrun.paged_attention(q[:n], k_new, v_new, k_pool, v_pool, slots, tables,
                                                       paged.row_seq, paged.row_len, paged.block_size,
-                                                      self.window or 0)          # (n, H, hd)
+                                                      self.window or 0, k_scale, v_scale)   # (n, H, hd)
             if segments:            # the prompt chunks after those rows
                 out = torch.cat([out] + [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
                                                       v[s.start:s.start + s.length], s) for s in segments])

@@ -52,8 +52,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& row_seq, const at::Tensor& row_len, int64_t block_size, int64_t window) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::paged_attention", "")
         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
-    return op.call(q, k, v, k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window);
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+    return op.call(q, k, v, k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window, std::nullopt, std::nullopt);
 }
 
 // llama.py's apply_rope: x (T, heads, hd) float32, freqs (T, hd/2) complex64

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -34,9 +35,15 @@ namespace {
 // for AVX-512 (more registers), AVX2 + FMA (target attributes) and the baseline (SSE2);
 // paged_attention picks one at run time (LOCALRUN_ISA=avx2|ref forces a narrower one). Every
 // row runs the same instructions in the same order whatever else is in the call.
+struct Pool {
+    const void* data;          // (slots, n_kv, hd) values: float, half, bfloat16, int8 or fp8 bytes per Fmt
+    const float* scale;        // quantized pools: per-token (slots, n_kv, hd / group) or per-block (blocks, n_kv, hd)
+    int64_t group;             // values per per-token scale
+};
+
 struct RowArgs {
     const float* q;            // (heads, hd): the query heads of this row that share KV head g
-    const void *kp, *vp;       // pools (float, half or bfloat16 per Fmt)
+    Pool k, v;
     void (*widen_f16)(float*, const uint16_t*, int64_t);   // n float16 values -> float32 (per ISA)
     const int64_t* table;      // this sequence's block table
     int64_t block_size, n_kv, g, hd, first, L, heads;
@@ -50,20 +57,20 @@ struct RowArgs {
 // their stride: the pool itself for float32, else `buf` (n * hd floats) after widening them.
 struct F32 {
     using E = float;
-    ALWAYS_INLINE static const float* rows(const RowArgs& a, const void* pool, int64_t b, int64_t off, int64_t n,
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         stride = a.n_kv * a.hd;
-        return static_cast<const float*>(pool) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * a.hd;
+        return static_cast<const float*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * a.hd;
     }
 };
 
 template <typename Widen>
 struct Half16 {                    // float16 or bfloat16 values, stored as 16-bit words
     using E = uint16_t;
-    ALWAYS_INLINE static const float* rows(const RowArgs& a, const void* pool, int64_t b, int64_t off, int64_t n,
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         const int64_t hd = a.hd, src_stride = a.n_kv * hd;
-        const uint16_t* src = static_cast<const uint16_t*>(pool) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd;
+        const uint16_t* src = static_cast<const uint16_t*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd;
         for (int64_t r = 0; r < n; r++, src += src_stride) Widen::row(a, buf + r * hd, src, hd);
         stride = hd;
         return buf;
@@ -97,6 +104,70 @@ void widen_f16_bits(float* dst, const uint16_t* src, int64_t n) {
 using F16 = Half16<WidenF16>;
 using BF16 = Half16<WidenBF16>;
 
+// Quantized pools (localrun/engine/paged_kv.py): value = code * scale, one float32 product, as
+// the store's read computes it. Codes: int8, or float8 e4m3fn bytes widened through a table.
+struct Int8Code { using E = int8_t; static float of(int8_t c) { return static_cast<float>(c); } };
+struct Fp8Code {
+    using E = uint8_t;
+    static float of(uint8_t c) {
+        static const std::array<float, 256> table = [] {
+            std::array<float, 256> t{};
+            for (int i = 0; i < 256; i++) t[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
+            return t;
+        }();
+        return table[c];
+    }
+};
+
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+
+// Eight codes times one scale, or times eight scales: exactly code * scale per value.
+ALWAYS_INLINE v8 codes8(const int8_t* p) { i8x8 c; std::memcpy(&c, p, sizeof c); return __builtin_convertvector(c, v8); }
+ALWAYS_INLINE v8 codes8(const uint8_t* p) { v8 v; for (int i = 0; i < 8; i++) v[i] = Fp8Code::of(p[i]); return v; }
+
+template <typename Code>
+struct TokenScaled {               // one scale per `group` values of a token's head (group: 32, or hd)
+    using E = typename Code::E;
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
+                                           float* buf, int64_t& stride) {
+        const int64_t hd = a.hd, group = pool.group, groups = hd / group;
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t at = (a.table[b] * a.block_size + off + r) * a.n_kv + a.g;
+            const E* src = static_cast<const E*>(pool.data) + at * hd;
+            const float* sc = pool.scale + at * groups;
+            float* dst = buf + r * hd;
+            if (group % 8 == 0) {
+                for (int64_t gi = 0; gi < groups; gi++) {
+                    const v8 s8 = splat8(sc[gi]);
+                    for (int64_t i = gi * group; i < (gi + 1) * group; i += 8) store8(dst + i, codes8(src + i) * s8);
+                }
+            } else {
+                for (int64_t i = 0; i < hd; i++) dst[i] = Code::of(src[i]) * sc[i / group];
+            }
+        }
+        stride = hd;
+        return buf;
+    }
+};
+
+struct ChannelScaledInt8 {         // int8 with one scale per block per channel: scale (blocks, n_kv, hd)
+    using E = int8_t;
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
+                                           float* buf, int64_t& stride) {
+        const int64_t hd = a.hd;
+        const float* sc = pool.scale + (a.table[b] * a.n_kv + a.g) * hd;
+        for (int64_t r = 0; r < n; r++) {
+            const int8_t* src = static_cast<const int8_t*>(pool.data) + ((a.table[b] * a.block_size + off + r) * a.n_kv + a.g) * hd;
+            float* dst = buf + r * hd;
+            int64_t i = 0;
+            for (; i + 8 <= hd; i += 8) store8(dst + i, codes8(src + i) * load8(sc + i));
+            for (; i < hd; i++) dst[i] = static_cast<float>(src[i]) * sc[i];
+        }
+        stride = hd;
+        return buf;
+    }
+};
+
 // The query heads of one row that share KV head g, over positions first..L-1: each key and
 // value row is read from memory once for all of them (grouped-query attention), and stays in
 // L1 while each head uses it. Every head's arithmetic is the same, in the same order, as it
@@ -105,15 +176,15 @@ using BF16 = Half16<WidenBF16>;
 // Ask for the next block's rows of KV head g (keys or values) while this block is used: the
 // blocks of a sequence lie anywhere in the pool, so the hardware prefetcher cannot follow.
 template <typename Fmt>
-ALWAYS_INLINE void prefetch_block(const RowArgs& a, const void* pool, int64_t b, int64_t hd) {
+ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b, int64_t hd) {
     if (b * a.block_size >= a.L) return;
-    const char* row = static_cast<const char*>(pool) + (a.table[b] * a.block_size * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
+    const char* row = static_cast<const char*>(pool.data) + (a.table[b] * a.block_size * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
     const int64_t rows = std::min(a.block_size, a.L - b * a.block_size), bytes = hd * sizeof(typename Fmt::E);
     for (int64_t r = 0; r < rows; r++, row += a.n_kv * bytes)
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
 }
 
-template <int HD, typename Fmt>
+template <int HD, typename KF, typename VF>
 ALWAYS_INLINE void attend_row(const RowArgs& a) {
     const int64_t hd = HD ? HD : a.hd, nv = hd / 8, n = a.L - a.first, ls = n + 8;
     float* acc_all = a.scores + a.heads * ls;                     // (heads, hd) running sums of e * v
@@ -125,9 +196,9 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         int64_t stride;
-        const float* kb = Fmt::rows(a, a.kp, b, p % a.block_size, end - p, buf, stride);
+        const float* kb = KF::rows(a, a.k, b, p % a.block_size, end - p, buf, stride);
         const int64_t p0 = p;
-        prefetch_block<Fmt>(a, a.kp, b + 1, hd);
+        prefetch_block<KF>(a, a.k, b + 1, hd);
         for (int64_t hh = 0; hh < a.heads; hh++) {
             for (int64_t i = 0; i < nv; i++) store8(qs + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
             float* sc_h = a.scores + hh * ls;
@@ -186,8 +257,8 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         int64_t stride;
-        const float* vb = Fmt::rows(a, a.vp, b, p % a.block_size, end - p, buf, stride);
-        prefetch_block<Fmt>(a, a.vp, b + 1, hd);
+        const float* vb = VF::rows(a, a.v, b, p % a.block_size, end - p, buf, stride);
+        prefetch_block<VF>(a, a.v, b + 1, hd);
         for (int64_t hh = 0; hh < a.heads; hh++) {
             v8 acc[NV];
             float* acc_h = acc_all + hh * hd;
@@ -208,7 +279,7 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
 
 // Head sizes the vector kernel does not take (not a multiple of 8, or over 256), or more than
 // 64 heads per KV head: plain loops, one head at a time, one widened row at a time.
-template <typename Fmt>
+template <typename KF, typename VF>
 inline void attend_scalar(const RowArgs& a) {
     const int64_t n = a.L - a.first;
     float* buf = a.scores + a.heads * (n + 8);                    // one widened row
@@ -218,7 +289,7 @@ inline void attend_scalar(const RowArgs& a) {
         float* out = a.out + hh * a.hd;
         float mx = -INFINITY;
         for (int64_t p = a.first; p < a.L; p++) {
-            const float* k = Fmt::rows(a, a.kp, p / a.block_size, p % a.block_size, 1, buf, stride);
+            const float* k = KF::rows(a, a.k, p / a.block_size, p % a.block_size, 1, buf, stride);
             float s = 0.f;
             for (int64_t d = 0; d < a.hd; d++) s += q[d] * a.scale * k[d];
             a.scores[p - a.first] = s;
@@ -228,7 +299,7 @@ inline void attend_scalar(const RowArgs& a) {
         for (int64_t j = 0; j < n; j++) { a.scores[j] = std::exp(a.scores[j] - mx); sum += a.scores[j]; }
         for (int64_t d = 0; d < a.hd; d++) out[d] = 0.f;
         for (int64_t p = a.first; p < a.L; p++) {
-            const float* v = Fmt::rows(a, a.vp, p / a.block_size, p % a.block_size, 1, buf, stride);
+            const float* v = VF::rows(a, a.v, p / a.block_size, p % a.block_size, 1, buf, stride);
             for (int64_t d = 0; d < a.hd; d++) out[d] += a.scores[p - a.first] * v[d];
         }
         for (int64_t d = 0; d < a.hd; d++) out[d] /= sum;
@@ -236,24 +307,27 @@ inline void attend_scalar(const RowArgs& a) {
     }
 }
 
-template <typename Fmt>
+template <typename KF, typename VF>
 ALWAYS_INLINE void attend_fmt(const RowArgs& a) {
-    if (a.hd % 8 || a.hd > 256 || a.heads > 64) { attend_scalar<Fmt>(a); return; }
+    if (a.hd % 8 || a.hd > 256 || a.heads > 64) { attend_scalar<KF, VF>(a); return; }
     switch (a.hd) {
-        case 64: attend_row<64, Fmt>(a); return;
-        case 128: attend_row<128, Fmt>(a); return;
-        case 256: attend_row<256, Fmt>(a); return;
-        default: attend_row<0, Fmt>(a); return;
+        case 64: attend_row<64, KF, VF>(a); return;
+        case 128: attend_row<128, KF, VF>(a); return;
+        case 256: attend_row<256, KF, VF>(a); return;
+        default: attend_row<0, KF, VF>(a); return;
     }
 }
 
-enum class PoolType { F32, F16, BF16 };
+// int8: K scaled per block per channel, V per token; fp8: both per token (paged_kv.py)
+enum class PoolType { F32, F16, BF16, INT8, FP8 };
 
 ALWAYS_INLINE void attend_any(const RowArgs& a, PoolType type) {
     switch (type) {
-        case PoolType::F32: attend_fmt<F32>(a); return;
-        case PoolType::F16: attend_fmt<F16>(a); return;
-        case PoolType::BF16: attend_fmt<BF16>(a); return;
+        case PoolType::F32: attend_fmt<F32, F32>(a); return;
+        case PoolType::F16: attend_fmt<F16, F16>(a); return;
+        case PoolType::BF16: attend_fmt<BF16, BF16>(a); return;
+        case PoolType::INT8: attend_fmt<ChannelScaledInt8, TokenScaled<Int8Code>>(a); return;
+        case PoolType::FP8: attend_fmt<TokenScaled<Fp8Code>, TokenScaled<Fp8Code>>(a); return;
     }
 }
 
@@ -292,7 +366,8 @@ void write_rows(E* pool, const float* x, const int64_t* slots, int64_t T, int64_
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slots_in, const at::Tensor& tables_in,
-                           const at::Tensor& row_seq_in, const at::Tensor& row_len_in, int64_t block_size, int64_t window) {
+                           const at::Tensor& row_seq_in, const at::Tensor& row_len_in, int64_t block_size, int64_t window,
+                           const std::optional<at::Tensor>& k_scale_in, const std::optional<at::Tensor>& v_scale_in) {
     const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     const at::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous();
     const at::Tensor row_seq = row_seq_in.contiguous(), row_len = row_len_in.contiguous();
@@ -301,19 +376,40 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
         TORCH_CHECK(t->scalar_type() == at::kFloat, "localrun::paged_attention: q, k and v must be float32");
     TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "localrun::paged_attention: K and V pools of one type");
     const at::ScalarType pool_type = k_pool.scalar_type();
-    TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf || pool_type == at::kBFloat16,
-                "localrun::paged_attention: pools must be float32, float16 or bfloat16");
+    TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf || pool_type == at::kBFloat16 || pool_type == at::kChar ||
+                pool_type == at::kByte, "localrun::paged_attention: pools must be float32, float16, bfloat16, int8 or fp8 bytes");
+    const PoolType type = pool_type == at::kFloat ? PoolType::F32 : pool_type == at::kHalf ? PoolType::F16
+                        : pool_type == at::kBFloat16 ? PoolType::BF16 : pool_type == at::kChar ? PoolType::INT8 : PoolType::FP8;
+    const bool quantized = type == PoolType::INT8 || type == PoolType::FP8;
     TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() && k_pool.dim() == 3,
                 "localrun::paged_attention: pools must be contiguous (slots, n_kv, hd)");
     for (const at::Tensor* t : {&slots, &tables, &row_seq, &row_len})
         TORCH_CHECK(t->scalar_type() == at::kLong, "localrun::paged_attention: index tensors must be int64");
-    const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), n_kv = k.size(1);
-    TORCH_CHECK(k.size(0) == T && k.size(2) == hd && H % n_kv == 0 && k_pool.size(1) == n_kv && k_pool.size(2) == hd,
-                "localrun::paged_attention: shapes disagree");
+    const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), n_kv = k_pool.size(1);
+    // quantized pools: the caller writes the rows first (their scales are the store's), k and v have 0 rows
+    TORCH_CHECK(k.size(0) == (quantized ? 0 : T) && k.size(1) == n_kv && k.size(2) == hd && H % n_kv == 0 &&
+                k_pool.size(2) == hd, "localrun::paged_attention: shapes disagree (k and v: T rows, or 0 for quantized pools)");
     TORCH_CHECK(window >= 0, "localrun::paged_attention: window must be >= 0");
     TORCH_CHECK(slots.numel() == T && row_seq.numel() == T && row_len.numel() == T && tables.dim() == 2,
                 "localrun::paged_attention: one slot, sequence and length per row");
     const int64_t num_slots = k_pool.size(0), max_blocks = tables.size(1), row_bytes = n_kv * hd;
+    TORCH_CHECK(quantized == (k_scale_in.has_value() && v_scale_in.has_value()),
+                "localrun::paged_attention: int8 and fp8 pools take k_scale and v_scale, the others none");
+    at::Tensor k_scale, v_scale;
+    int64_t k_group = 0, v_group = 0;
+    if (quantized) {
+        k_scale = k_scale_in->contiguous(), v_scale = v_scale_in->contiguous();
+        const auto token_group = [&](const at::Tensor& s) {      // (slots, n_kv, hd / group)
+            TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == num_slots && s.size(1) == n_kv &&
+                        s.size(2) >= 1 && hd % s.size(2) == 0, "localrun::paged_attention: per-token scales (slots, n_kv, hd / group)");
+            return hd / s.size(2);
+        };
+        v_group = token_group(v_scale);
+        if (type == PoolType::FP8) k_group = token_group(k_scale);
+        else TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.dim() == 3 && num_slots % block_size == 0 &&
+                         k_scale.size(0) == num_slots / block_size && k_scale.size(1) == n_kv && k_scale.size(2) == hd,
+                         "localrun::paged_attention: int8 K scales (blocks, n_kv, hd)");
+    }
     const int64_t *sp = slots.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>();
     const int64_t *seqp = row_seq.data_ptr<int64_t>(), *lenp = row_len.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; t++) {
@@ -322,19 +418,21 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                     "localrun::paged_attention: row ", t, " reaches past its block table");
     }
     // writes first: later rows read earlier ones; 16-bit pools round as torch's .to() does
-    const float *kn = k.data_ptr<float>(), *vn = v.data_ptr<float>();
-    const PoolType type = pool_type == at::kFloat ? PoolType::F32 : pool_type == at::kHalf ? PoolType::F16 : PoolType::BF16;
-    if (type == PoolType::F32) {
-        write_rows(k_pool.data_ptr<float>(), kn, sp, T, row_bytes);
-        write_rows(v_pool.data_ptr<float>(), vn, sp, T, row_bytes);
-    } else if (type == PoolType::F16) {
-        write_rows(k_pool.data_ptr<at::Half>(), kn, sp, T, row_bytes);
-        write_rows(v_pool.data_ptr<at::Half>(), vn, sp, T, row_bytes);
-    } else {
-        write_rows(k_pool.data_ptr<at::BFloat16>(), kn, sp, T, row_bytes);
-        write_rows(v_pool.data_ptr<at::BFloat16>(), vn, sp, T, row_bytes);
+    if (!quantized) {
+        const float *kn = k.data_ptr<float>(), *vn = v.data_ptr<float>();
+        if (type == PoolType::F32) {
+            write_rows(k_pool.data_ptr<float>(), kn, sp, T, row_bytes);
+            write_rows(v_pool.data_ptr<float>(), vn, sp, T, row_bytes);
+        } else if (type == PoolType::F16) {
+            write_rows(k_pool.data_ptr<at::Half>(), kn, sp, T, row_bytes);
+            write_rows(v_pool.data_ptr<at::Half>(), vn, sp, T, row_bytes);
+        } else {
+            write_rows(k_pool.data_ptr<at::BFloat16>(), kn, sp, T, row_bytes);
+            write_rows(v_pool.data_ptr<at::BFloat16>(), vn, sp, T, row_bytes);
+        }
     }
-    const void *kp = k_pool.data_ptr(), *vp = v_pool.data_ptr();
+    const Pool kp{k_pool.data_ptr(), quantized ? k_scale.data_ptr<float>() : nullptr, k_group},
+               vp{v_pool.data_ptr(), quantized ? v_scale.data_ptr<float>() : nullptr, v_group};
     at::Tensor out = at::empty({T, H, hd}, q.options());
     const float* qp = q.data_ptr<float>();
     float* op = out.data_ptr<float>();
@@ -414,7 +512,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
 
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
-          "Tensor block_tables, Tensor row_seq, Tensor row_len, int block_size, int window=0) -> Tensor");
+          "Tensor block_tables, Tensor row_seq, Tensor row_len, int block_size, int window=0, "
+          "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
