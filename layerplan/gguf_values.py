@@ -11,6 +11,9 @@ import math
 from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray
 
 MAX_LAYERS = 4096
+# the trained context of a file without `<arch>.context_length` (llama.cpp refuses such files;
+# the planner and the model builder both assume this, and no more)
+DEFAULT_CONTEXT_LENGTH = 2048
 MAX_WIDTH = 1 << 20         # embedding, FFN and head widths
 MAX_HEADS = 1 << 14
 MAX_CONTEXT = 1 << 28       # trained context (10M-token models exist)

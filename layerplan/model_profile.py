@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from layerplan.architectures import ARCHITECTURES, PLANNER_SWA_PATTERNS
 from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray, TensorInfo, read_header
-from layerplan.gguf_values import (MAX_CONTEXT, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
-                                   arch_int, arch_ints_per_layer)
+from layerplan.gguf_values import (DEFAULT_CONTEXT_LENGTH, MAX_CONTEXT, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS,
+                                   MAX_VOCAB, MAX_WIDTH, arch_int, arch_ints_per_layer)
 
 # general.file_type -> llama.cpp's name for the quantization mix
 FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
@@ -212,7 +212,7 @@ def _profile(header: GGUFHeader) -> ModelProfile:
         architecture=arch,
         quantization=FILE_TYPES.get(file_type, "unknown") if type(file_type) is int else "unknown",
         n_layers=n_layers, d_model=d_model, n_ff=n_ff, n_vocab=n_vocab,
-        n_ctx_train=arch_int(header, "context_length", 4096, low=1, high=MAX_CONTEXT),
+        n_ctx_train=arch_int(header, "context_length", DEFAULT_CONTEXT_LENGTH, low=1, high=MAX_CONTEXT),
         layers=tuple(layers),
         embedding_bytes=embedding_bytes,
         output_bytes=output_bytes,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layerplan.gguf_header import GGUFFormatError, GGUFHeader, LongArray, shown
-from layerplan.gguf_values import (REQUIRED, MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, arch_float,
+from layerplan.gguf_values import (DEFAULT_CONTEXT_LENGTH, REQUIRED, MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, arch_float,
                                    arch_int, arch_ints_per_layer, meta_int)
 from layerplan.architectures import ARCHITECTURES, Architecture
 from localrun.chat_template import check_template, family_template
@@ -146,7 +146,7 @@ class ModelConfig:
             head_dim=head_dim,
             n_ff=_same_in_every_layer(header, "feed_forward_length", n_layers),
             n_vocab=n_vocab,
-            context_length=arch_int(header, "context_length", 2048, low=1, high=MAX_CONTEXT),
+            context_length=arch_int(header, "context_length", DEFAULT_CONTEXT_LENGTH, low=1, high=MAX_CONTEXT),
             rope_base=arch_float(header, "rope.freq_base", 10000.0, low=1.0, high=MAX_ROPE_BASE),
             rope_dim=rope_dim,
             rope_scaling_type=scaling,
