@@ -17,7 +17,7 @@ class ThreadAdvice:
     recommended: int
     physical_cores: int
     logical_cores: int
-    load_1m: float       # runnable tasks, averaged over the last minute (0 where the OS has none)
+    load_1m: float       # runnable tasks: the 1-minute average, or the last instant's CPU use if lower (0 where the OS has none)
     busy_cores: int      # cores taken by other work: the load, rounded half up
 
     @property
@@ -37,8 +37,11 @@ def recommend_threads(physical_cores: int, logical_cores: int, load_1m: float) -
     return ThreadAdvice(max(1, physical - busy), physical, max(physical, logical_cores), max(0.0, load_1m), busy)
 
 
-def advise_threads() -> ThreadAdvice:
-    """The advice for this machine, now (psutil's core counts and load average)."""
+def advise_threads(sample_s: float = 0.2) -> ThreadAdvice:
+    """The advice for this machine, now: psutil's core counts, and the lower of the 1-minute
+    load average and the load of the last `sample_s` seconds (CPU use times logical CPUs). The
+    average alone lags by a minute: right after localrun's own benchmark or server stopped it
+    still counts them, and the next start would get 1 thread on an idle machine."""
     import psutil
 
     logical = psutil.cpu_count(logical=True) or 1
@@ -47,4 +50,6 @@ def advise_threads() -> ThreadAdvice:
         load = psutil.getloadavg()[0]
     except (AttributeError, OSError):
         load = 0.0
+    if load > 0 and sample_s > 0:
+        load = min(load, psutil.cpu_percent(interval=sample_s) / 100 * logical)
     return recommend_threads(physical, logical, load)

@@ -23,3 +23,15 @@ def test_threads_follow_the_advice_unless_given(tiny_gguf, monkeypatch, flag, ex
         assert llm.n_threads == expected
     finally:
         llm.close()
+
+
+def test_the_advice_does_not_count_a_load_that_has_ended(monkeypatch):
+    """A 1-minute load of 2 left by a process that has stopped: the CPU is idle now, so every
+    core is advised; while it runs, the busy cores are kept free."""
+    import psutil
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 4)
+    monkeypatch.setattr(psutil, "getloadavg", lambda: (2.0, 1.0, 0.5))
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 3.0)       # idle now
+    assert layerplan_threads.advise_threads().recommended == 4
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 50.0)      # 2 of 4 busy now
+    assert layerplan_threads.advise_threads().recommended == 2
