@@ -207,34 +207,40 @@ def attention_reference(q, k_pool, v_pool, table, n, window=0):
 BLOCK = 16
 
 
-@pytest.mark.parametrize("hd, n_kv, group", [(64, 3, 3), (128, 2, 4), (256, 1, 2), (40, 2, 2)])
-def test_paged_attention_equals_float64_reference(hd, n_kv, group):
-    """Decode rows of several sequences (lengths across block edges, shuffled block tables, with
-    and without a window) against float64 attention; each row the same bits alone as in the call;
-    the new K/V land in their slots."""
-    rng = np.random.default_rng(hd)
-    H, num_blocks, lengths = n_kv * group, 24, [1, 7, 16, 17, 40, 95]
-    tables = np.stack([rng.permutation(num_blocks)[:6] for _ in lengths])
+def check_paged_against_float64(rng, hd, n_kv, group, lengths, tables, windows, atol, alone):
+    """Decode rows of `lengths` through `tables` against float64 attention, for each window; the
+    new K/V land in their slots; each row in `alone` gives the same bits computed on its own."""
+    H, num_blocks = n_kv * group, int(tables.max()) + 1
     k_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
     v_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
     q = rng.standard_normal((len(lengths), H, hd)).astype(np.float32) * 2
     k = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
     slots = np.array([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)])
-    for window in (0, 20):
+    for window in windows:
         kp, vp = torch.from_numpy(k_pool.copy()), torch.from_numpy(v_pool.copy())
         args = lambda rows: (torch.from_numpy(q[rows]), torch.from_numpy(k[rows]), torch.from_numpy(v[rows]), kp, vp,
                              torch.from_numpy(slots[rows]), torch.from_numpy(tables), torch.tensor(rows),
                              torch.tensor([lengths[r] for r in rows]), BLOCK, window)
-        rows = list(range(len(lengths)))
-        out = torch.ops.localrun.paged_attention(*args(rows)).numpy()
+        out = torch.ops.localrun.paged_attention(*args(list(range(len(lengths))))).numpy()
         assert np.array_equal(kp.numpy()[slots], k) and np.array_equal(vp.numpy()[slots], v)
         for r, n in enumerate(lengths):
             exact = attention_reference(q[r], kp.numpy(), vp.numpy(), tables[r], n, window)
-            np.testing.assert_allclose(out[r], exact, rtol=0, atol=2e-6 * max(1.0, np.abs(exact).max()),
+            np.testing.assert_allclose(out[r], exact, rtol=0, atol=atol * max(1.0, np.abs(exact).max()),
                                        err_msg=f"row {r} window {window}")
-        for r in (0, 3, 5):
+        for r in alone:
             assert np.array_equal(torch.ops.localrun.paged_attention(*args([r])).numpy()[0], out[r])
+
+
+@pytest.mark.parametrize("hd, n_kv, group", [(64, 3, 3), (128, 2, 4), (256, 1, 2), (40, 2, 2)])
+def test_paged_attention_equals_float64_reference(hd, n_kv, group):
+    """Decode rows of several sequences (lengths across block edges, shuffled block tables, with
+    and without a window) against float64 attention; each row the same bits alone as in the call;
+    the new K/V land in their slots."""
+    rng = np.random.default_rng(hd)
+    lengths = [1, 7, 16, 17, 40, 95]
+    tables = np.stack([rng.permutation(24)[:6] for _ in lengths])
+    check_paged_against_float64(rng, hd, n_kv, group, lengths, tables, (0, 20), 2e-6, alone=(0, 3, 5))
 
 
 @pytest.mark.parametrize("kv_type", ["int8", "fp8"])
@@ -284,27 +290,9 @@ def test_paged_attention_long_rows_split_and_merged(hd):
     and merged: against float64, with and without a window longer than a chunk, and each row the
     same bits alone as beside other rows."""
     rng = np.random.default_rng(hd + 1)
-    n_kv, group, lengths = 2, 3, [1100, 513, 40, 1030]
-    H, per_seq = n_kv * group, 70
-    num_blocks = per_seq * len(lengths)
-    tables = rng.permutation(num_blocks).reshape(len(lengths), per_seq)
-    k_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
-    v_pool = rng.standard_normal((num_blocks * BLOCK, n_kv, hd)).astype(np.float32)
-    q = rng.standard_normal((len(lengths), H, hd)).astype(np.float32) * 2
-    k = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
-    v = rng.standard_normal((len(lengths), n_kv, hd)).astype(np.float32)
-    slots = np.array([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)])
-    for window in (0, 700):
-        kp, vp = torch.from_numpy(k_pool.copy()), torch.from_numpy(v_pool.copy())
-        args = lambda rows: (torch.from_numpy(q[rows]), torch.from_numpy(k[rows]), torch.from_numpy(v[rows]), kp, vp,
-                             torch.from_numpy(slots[rows]), torch.from_numpy(tables), torch.tensor(rows),
-                             torch.tensor([lengths[r] for r in rows]), BLOCK, window)
-        out = torch.ops.localrun.paged_attention(*args(list(range(len(lengths))))).numpy()
-        for r, n in enumerate(lengths):
-            exact = attention_reference(q[r], kp.numpy(), vp.numpy(), tables[r], n, window)
-            np.testing.assert_allclose(out[r], exact, rtol=0, atol=3e-6 * max(1.0, np.abs(exact).max()),
-                                       err_msg=f"row {r} window {window}")
-            assert np.array_equal(torch.ops.localrun.paged_attention(*args([r])).numpy()[0], out[r])
+    lengths, per_seq = [1100, 513, 40, 1030], 70
+    tables = rng.permutation(per_seq * len(lengths)).reshape(len(lengths), per_seq)
+    check_paged_against_float64(rng, hd, 2, 3, lengths, tables, (0, 700), 3e-6, alone=range(len(lengths)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

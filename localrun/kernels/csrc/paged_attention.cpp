@@ -1,17 +1,22 @@
 // Batched paged attention for decode and verify rows, in one call per layer, over a float32,
-// float16 or bfloat16 KV pool (the queries, new keys and values and the output are float32):
-//   paged_attention(q, k, v, k_pool, v_pool, slots, block_tables, row_seq, row_len, block_size, window=0) -> out
+// float16, bfloat16, int8 or fp8 KV pool (the queries, new keys and values and the output are float32):
+//   paged_attention(q, k, v, k_pool, v_pool, slots, block_tables, row_seq, row_len, block_size, window=0,
+//                   k_scale=None, v_scale=None) -> out
 //   q (T, H, hd); k, v (T, n_kv, hd): the rows' new keys and values, written first into the pools
 //   (num_blocks * block_size, n_kv, hd) at `slots` (T,), rounded to the pool's type as torch's
-//   .to() rounds (to nearest, ties to even). Row t then attends, as one query, over
+//   .to() rounds (to nearest, ties to even). A quantized pool (int8, or fp8 bytes) comes with its
+//   scales (paged_kv.py's layouts) and its rows already written by the caller: k and v have 0 rows.
+//   Row t then attends, as one query, over
 //   the first row_len[t] positions of sequence row_seq[t], whose position p lives in slot
 //   block_tables[row_seq[t], p / block_size] * block_size + p % block_size. window > 0 (a
 //   sliding-window layer): only the last `window` of those positions, p >= row_len[t] - window;
 //   the block table's entries before them are never read. Grouped-query: head h
 //   reads KV head h / (H / n_kv). Scale 1/sqrt(hd), softmax in float32 with the maximum removed.
-// A 16-bit pool is read a block at a time: the block's rows of one KV head are widened to float32
-// into an L1 scratch once, then every query head of the group uses them as if the pool were
-// float32 (so the arithmetic is the float32 kernel's, on exactly the stored values).
+// A 16-bit or quantized pool is read a block at a time: the block's rows of one KV head are
+// widened to float32 into an L1 scratch once (code x scale for a quantized one), then every query
+// head of the group uses them as if the pool were float32 (so the arithmetic is the float32
+// kernel's, on exactly the values the pool's store would read). A row over CHUNK positions is
+// split into chunks over the threads and merged in chunk order.
 // No gather, no Python loop over sequences; every row is computed on its own, so a verify row
 // equals the decode step it stands for, bit for bit. The reference is torch's SDPA over the
 // gathered keys (localrun/model/llama.py, Attention._attend).
