@@ -1,7 +1,7 @@
 """Every option of a loaded model and its engine, in one place: `EngineConfig`.
 
 `LLM(model, **options)` makes one from its keyword arguments, `localrun chat/generate/serve`
-from their flags (localrun/cli_options.py), and `LLMEngine` reads it. Each option is checked
+from their flags (localrun/cli/options.py), and `LLMEngine` reads it. Each option is checked
 once, when the EngineConfig is made, with one sentence naming it, before any model loads;
 sizes given as text ("4GiB") become byte counts here. Torch-free.
 """

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from localrun.bench.loadgen import RequestResult, run_requests
 from localrun.bench.stats import breakdown, percentile, summarize
 from localrun.bench.workload import Scenario, build_requests
-from localrun.cli_top import histogram_quantile
+from localrun.cli.top import histogram_quantile
 from server_harness import running
 
 
@@ -112,7 +112,7 @@ def test_run_against_a_fake_server_counts_tokens_and_errors():
 def test_bench_cli_against_a_fake_server(tmp_path):
     from typer.testing import CliRunner
 
-    from localrun.cli import app
+    from localrun.cli.main import app
     with running(fake_app()) as url:
         result = CliRunner().invoke(app, ["bench", "--url", url, "-n", "8", "--json", str(tmp_path / "r.json"),
                                           "--plot", str(tmp_path / "r.png")])

@@ -79,7 +79,7 @@ SHARED_FLAGS = ("--ctx", "--threads", "--kv-type", "--gpu-layers", "--draft-mode
 
 
 def test_chat_generate_and_serve_declare_the_shared_flags_once():
-    from localrun.cli import app
+    from localrun.cli.main import app
     commands = typer.main.get_command(app).commands
     for flag in SHARED_FLAGS + ("--cache-dir", "--no-disk-cache", "--cache-disk", "--cache-ram"):
         owners = ["chat", "serve"] + (["generate"] if flag in SHARED_FLAGS else [])

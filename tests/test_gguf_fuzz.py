@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from typer.main import get_command
 from click.testing import CliRunner
 
-from localrun.cli import app
+from localrun.cli.main import app
 from localrun.errors import UserError
 from synthetic_gguf import header_fields, write_tiny_llama
 

@@ -13,7 +13,7 @@ from layerplan import calibrate, probe
 from layerplan.devices import Machine
 from layerplan.machine_spec import build_machine
 from layerplan.units import GiB
-from localrun.cli import app
+from localrun.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_ARGS = ["plan", "llama2-7b:f16", "--vram", "24GiB", "--ctx", "16384", "--parallel", "2", "--ram", "64GiB"]
@@ -88,7 +88,7 @@ def test_user_errors_are_one_sentence(args, message):
 
 @pytest.mark.model
 def test_plan_on_the_real_file_is_fast_and_torch_free(smollm2, tmp_path):
-    code = ("import sys, time; t = time.perf_counter(); from localrun.cli import app; "
+    code = ("import sys, time; t = time.perf_counter(); from localrun.cli.main import app; "
             "from typer.testing import CliRunner; "
             f"r = CliRunner().invoke(app, ['plan', {str(smollm2)!r}, '--json']); "
             "print(r.output.strip().splitlines()[-1]); print('torch' in sys.modules, time.perf_counter() - t)")

@@ -18,7 +18,7 @@ from layerplan.placement import place
 from layerplan.settings import PlanSettings
 from layerplan.speed import predict
 from layerplan.units import GiB, MiB
-from localrun.cli import app
+from localrun.cli.main import app
 
 D, N_HEAD, N_KV, HEAD_DIM, N_FF_EXP, N_EXPERT, N_USED, N_LAYERS = 64, 4, 2, 16, 32, 4, 2, 2
 

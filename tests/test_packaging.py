@@ -38,7 +38,7 @@ def test_wheel_ships_the_catalog_and_kernel_sources(tmp_path):
     sources = sorted(p.name for p in (ROOT / "localrun" / "kernels" / "csrc").iterdir()
                      if p.suffix in (".cpp", ".h"))
     assert sources and all(f"localrun/kernels/csrc/{name}" in names for name in sources)
-    assert "localrun = localrun.cli:main" in wheel.read(
+    assert "localrun = localrun.cli.main:main" in wheel.read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
 
 

@@ -13,7 +13,7 @@ from layerplan import profile_builtin
 from layerplan.frontier import MenuEntry, dominates, frontier, pareto, plan_menu, prefer
 from layerplan.placement import place
 from layerplan.settings import PlanSettings
-from localrun.cli import app
+from localrun.cli.main import app
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from layerplan.ggml_types import GGML_TYPES_BY_NAME
 from layerplan.ledger import (TOKENIZER_BYTES_PER_MERGE, TOKENIZER_BYTES_PER_TOKEN, EngineOptions,
                               engine_ledger, held_bytes)
 from layerplan.units import MiB
-from localrun.cli import app
+from localrun.cli.main import app
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from layerplan.threads import recommend_threads
-from localrun.cli import app
+from localrun.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_plan_shows_threads_in_the_table_json_and_flags():
 
 
 def run_plan(*args, cwd=ROOT, env_home=None):
-    code = ("import sys; from localrun.cli import main; "
+    code = ("import sys; from localrun.cli.main import main; "
             f"sys.argv = ['localrun', 'plan', *{list(args)!r}]; "
             "import atexit; atexit.register(lambda: print('TORCH', 'torch' in sys.modules)); main()")
     env = {"LOCALRUN_HOME": str(env_home or "/nonexistent"), "PATH": "/usr/bin:/bin"}

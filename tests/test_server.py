@@ -280,7 +280,7 @@ def test_metrics_count_tokens_and_requests(url):
 def test_top_shows_the_server_state(url):
     from typer.testing import CliRunner
 
-    from localrun.cli import app
+    from localrun.cli.main import app
     httpx.post(f"{url}/v1/completions", json={"prompt": "for top", "max_tokens": 3, "ignore_eos": True}, timeout=60)
     result = CliRunner().invoke(app, ["top", "--url", url, "--once"])
     assert result.exit_code == 0, result.output

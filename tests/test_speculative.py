@@ -372,7 +372,7 @@ def test_user_errors(tiny_gguf, model):
 def test_api_and_cli(tiny_gguf):
     from typer.testing import CliRunner
 
-    from localrun.cli import app
+    from localrun.cli.main import app
     llm = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1, speculative="ngram", speculative_adaptive=False)
     plain = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1)
     prompt = "the fox and the dog and the fox and the dog and the"
@@ -386,6 +386,6 @@ def test_api_and_cli(tiny_gguf):
 def test_the_cli_builds_the_engine_while_loading(tiny_gguf):
     """The engine (and the speculator's cost measurements, ~3 s for SmolLM2 here) is built
     with the model, not inside the first request, whose TTFT would otherwise include it."""
-    from localrun.cli_options import engine_config, load_llm
+    from localrun.cli.options import engine_config, load_llm
     llm = load_llm(str(tiny_gguf("F32")), engine_config(ctx=256, threads=1, spec="ngram"))
     assert llm._engine is not None and llm._engine.speculator is not None

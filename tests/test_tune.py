@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from localrun.cli import app
+from localrun.cli.main import app
 from localrun.tune import TuneRow, best_row, load_profile, profile_path, save_profile, sweep
 
 

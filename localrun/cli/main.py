@@ -1,4 +1,5 @@
-"""The `localrun` command line (typer + rich). Thin: parse, call the API, render.
+"""The `localrun` app (typer + rich): chat, generate, info, pull and models, with the other
+commands attached, and main(), the console script. Thin: parse, call the API, render.
 
 Torch is imported only by commands that run a model, so `plan`, `pull`, `models` and `info`
 start fast."""
@@ -13,15 +14,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from localrun.cli_cache import cache_app
-from localrun.cli_options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
+from localrun.cli.cache import cache_app
+from localrun.cli.options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
                                    GpuLayersOpt, KvTypeOpt, ModelArg, NoDiskCacheOpt, SpecOpt, ThreadsOpt, engine_config,
                                    load_llm)
-from localrun.cli_plan import plan
-from localrun.cli_tune import tune
-from localrun.cli_bench import bench
-from localrun.cli_serve import serve
-from localrun.cli_top import top
+from localrun.cli.plan import plan
+from localrun.cli.tune import tune
+from localrun.cli.bench import bench
+from localrun.cli.serve import serve
+from localrun.cli.top import top
 from localrun.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -259,7 +260,3 @@ def main():
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

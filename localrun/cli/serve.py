@@ -11,7 +11,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from localrun.cli_options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
+from localrun.cli.options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
                                    GpuLayersOpt, KvBudgetOpt, KvTypeOpt, MaxBatchedTokensOpt, ModelArg,
                                    NoChunkedPrefillOpt, NoDiskCacheOpt, NoPrefixCacheOpt, OutputReserveOpt, ParallelOpt,
                                    ScheduleOpt, SpecOpt, ThreadsOpt, engine_config, load_llm)
