@@ -214,12 +214,10 @@ class ScriptedRunner:
     (Params(max_tokens=3, ignore_eos=True), [5, 0, 7, 8], ([5, 0, 7], "length")),
     (None, [5, 0, 7], ([5, 0], "stop")),
     (None, [9] * 20, ([9] * 5, "length")),                                     # context 8
-    (Params(max_tokens=10), [5, 6, 99, 1], ([5, 6, 99], "stop_string")),
 ])
 def test_stop_conditions(params, script, expected):
     bm = BlockManager(num_blocks=2, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(), bm, eos_token_ids=(EOS,),
-                          check_stop=lambda seq: "stop_string" if seq.last_token_id == 99 else None)
+    scheduler = Scheduler(SchedulerConfig(), bm, eos_token_ids=(EOS,))
     seq = Sequence("a", [1, 2, 3], params)
     scheduler.add(seq)
     runner, finished = ScriptedRunner(script), []

@@ -70,8 +70,7 @@ class LLMEngine:
                  tokenizer_eog_ids: tuple[int, ...] | frozenset[int] = (),
                  clock: Callable[[], float] = time.monotonic, disk_cache: DiskCacheConfig | None = None,
                  speculative: SpeculativeConfig | None = None, draft_model: Transformer | None = None,
-                 num_blocks: int | None = None, block_size: int = 16,
-                 check_stop: Callable[[Sequence], str | None] | None = None, **options):
+                 num_blocks: int | None = None, block_size: int = 16, **options):
         """engine_config: the options (localrun/engine_config.py), checked there; or, as keywords,
         the engine's own names for them (max_num_seqs, max_model_len, kv_type, kv_budget_bytes,
         max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, policy,
@@ -133,8 +132,7 @@ class LLMEngine:
             self.disk_cache = DiskKVCache(disk_cache, ns, self.kv_cache)
             self.block_manager.lower_tiers.append(self.disk_cache)
         scheduler_config = engine_config.scheduler_config(self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids),
-                                   check_stop, clock)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids), clock)
         self.runner = ModelRunner(model, self.kv_cache, batch_invariant_decode=speculative is not None,
                                   local_block_tables=self.block_manager.local_block_table
                                   if self.num_local_blocks else None)

@@ -179,7 +179,6 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  eos_token_ids: tuple[int, ...] = (),
-                 check_stop: Callable[[Sequence], str | None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  step_cost: Callable[[int], float] | None = None):
         capacity = block_manager.num_blocks * block_manager.block_size
@@ -194,7 +193,6 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = tuple(eos_token_ids)
-        self.check_stop = check_stop    # extra stop test after each token, e.g. stop strings
         self.clock = clock
         self.step_cost = step_cost     # seconds of a step over n tokens (measured), for itl_target_s
         self.waiting: list[Sequence] = []    # by arrival_index
@@ -487,7 +485,7 @@ class Scheduler:
             return "length"
         if seq.num_tokens >= self.max_model_len:
             return "length"
-        return self.check_stop(seq) if self.check_stop is not None else None
+        return None
 
     def _finish(self, seq: Sequence, finish_reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
