@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from localrun.errors import UserError
+from layerplan.kv_cache import ENGINE_KV_TYPES
+from localrun.errors import OptionError
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,7 @@ DEFAULT_WATERMARK = 0.01
 ENGINE_NAMES = {"max_num_seqs": "n_parallel", "max_model_len": "n_ctx", "policy": "scheduling",
                 "watermark": "kv_watermark", "ram_cache_bytes": "cache_ram"}
 ENGINE_DEFAULT_MAX_NUM_SEQS = 16        # LLMEngine(model) alone batches up to 16 sequences
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")    # torch's names; the model computes in one of these
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class EngineConfig:
     n_ctx: int | None = None          # tokens per sequence; None: min(the trained context, 4096), or for an
                                       # LLMEngine, the positions its model was built for
     n_threads: int | None = None      # CPU threads; None: the physical cores
-    dtype: str | torch.dtype | None = None   # compute dtype; None: float32 (see api.default_dtype)
+    dtype: str | torch.dtype | None = None   # compute dtype (COMPUTE_DTYPES, by name or as a torch.dtype);
+                                             # None: float32 (see api.default_dtype)
     quantized: bool | None = None     # keep Q4_0/Q4_1/Q4_K and Q8_0 weights quantized (torch's weight-only
                                       # kernels); None: yes, unless dtype="float32" is asked for or
                                       # LOCALRUN_REFERENCE=1 (localrun/executor.py)
@@ -45,7 +48,8 @@ class EngineConfig:
     n_parallel: int = 4               # sequences decoded together (continuous batching)
     max_num_batched_tokens: int = 2048    # tokens per engine step: the prefill chunk budget
     enable_chunked_prefill: bool = True
-    kv_type: str | None = None        # f32, bf16, f16, int8, fp8; None: the compute dtype's (checked by the engine)
+    kv_type: str | None = None        # f32, bf16, f16, int8, fp8 (ENGINE_KV_TYPES); None: f16 for a float32
+                                      # model, else the compute dtype's
     kv_budget_bytes: int | str | None = None   # KV pool bytes ("2GiB"); None: a share of free memory
     enable_prefix_caching: bool = True
     cache_ram: int | str | None = None    # host RAM ("4GiB") for prefix blocks the pool evicts, copied back on a
@@ -78,8 +82,12 @@ class EngineConfig:
                 _integer(name, value, low)
         _integer("n_parallel", self.n_parallel, 1)
         _integer("n_keep", self.n_keep, 0)
-        from localrun.placement import parse_gpu_layers
-        parse_gpu_layers(self.n_gpu_layers)
+        from localrun.placement import parse_layer_count
+        parse_layer_count(self.n_gpu_layers)
+        if self.kv_type is not None and self.kv_type not in ENGINE_KV_TYPES:
+            raise OptionError("kv_type", f"kv_type takes {', '.join(ENGINE_KV_TYPES)}, not {self.kv_type!r}.")
+        if self.dtype is not None and not _is_compute_dtype(self.dtype):
+            raise OptionError("dtype", f"dtype takes {', '.join(COMPUTE_DTYPES)}, not {self.dtype!r}.")
         for name, allow_zero in (("kv_budget_bytes", False), ("cache_disk", False), ("cache_ram", True)):
             object.__setattr__(self, name, parse_size(getattr(self, name), name, allow_zero))
         if self.output_reserve_tokens is None:
@@ -90,7 +98,8 @@ class EngineConfig:
         if self.speculative is not None:
             object.__setattr__(self, "speculative", str(self.speculative))
             if self.speculative.startswith("self:") and not self.speculative[len("self:"):].isdigit():
-                raise UserError(f"Write a self-draft as self:N with N a number of layers, got {self.speculative!r}.")
+                raise OptionError("speculative", f"speculative takes a self-draft as self:N with N a number of "
+                                  f"layers, not {self.speculative!r}.")
 
     @classmethod
     def for_engine(cls, **options) -> EngineConfig:
@@ -105,12 +114,16 @@ class EngineConfig:
         return cls(**renamed)
 
     def scheduler_config(self, max_model_len: int | None = None):
-        """The scheduler's share of the options (engine/scheduler.py checks them)."""
+        """The scheduler's share of the options (engine/scheduler.py checks them; its errors
+        name the options as this config does)."""
         from localrun.engine.scheduler import SchedulerConfig
-        return SchedulerConfig(max_num_seqs=self.n_parallel, max_num_batched_tokens=self.max_num_batched_tokens,
-                               enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling,
-                               max_model_len=max_model_len, output_reserve_tokens=self.output_reserve_tokens,
-                               watermark=self.kv_watermark)
+        try:
+            return SchedulerConfig(max_num_seqs=self.n_parallel, max_num_batched_tokens=self.max_num_batched_tokens,
+                                   enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling,
+                                   max_model_len=max_model_len, output_reserve_tokens=self.output_reserve_tokens,
+                                   watermark=self.kv_watermark)
+        except OptionError as e:
+            raise e.named(ENGINE_NAMES.get(e.option, e.option)) from None
 
 
 def parse_size(value: int | str | None, name: str, allow_zero: bool = False) -> int | None:
@@ -119,14 +132,23 @@ def parse_size(value: int | str | None, name: str, allow_zero: bool = False) -> 
         from layerplan.units import parse_bytes
         try:
             value = parse_bytes(value)
-        except ValueError as e:
-            raise UserError(f"{name}: {e}") from None
+        except ValueError:
+            raise OptionError(name, f"{name} is {value!r}, which is not a size; write it like 24GiB, 16G or "
+                              "512MiB.") from None
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or value < 0 or (value == 0 and not allow_zero)):
-        raise UserError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} size, got {value!r}.")
+        raise OptionError(name, f"{name} must be a {'non-negative' if allow_zero else 'positive'} size, "
+                          f"got {value!r}.")
     return value
 
 
 def _integer(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise UserError(f"{name} must be an integer >= {low}, got {value!r}")
+        raise OptionError(name, f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def _is_compute_dtype(dtype) -> bool:
+    """One of COMPUTE_DTYPES, by name ("bfloat16") or as torch's dtype (torch.bfloat16)."""
+    if isinstance(dtype, str):
+        return dtype in COMPUTE_DTYPES
+    return str(dtype) in {f"torch.{name}" for name in COMPUTE_DTYPES}

@@ -16,7 +16,7 @@ import torch
 from localrun.gguf_file import GGUFModelFile
 from localrun.loader import file_weights, load_weights
 from localrun.model.llama import Transformer
-from localrun.placement import DeviceMap, all_on, parse_gpu_layers, plan_device_map
+from localrun.placement import DeviceMap, all_on, parse_layer_count, plan_device_map
 
 REFERENCE_ENV = "LOCALRUN_REFERENCE"
 
@@ -37,7 +37,7 @@ def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantize
     """The Transformer of `file` placed by `device_map`, or by layerplan for `n_gpu_layers`
     ('auto', None or a number; all-CPU on a machine without a GPU)."""
     if device_map is None:
-        if parse_gpu_layers(n_gpu_layers) in (None, 0) and not torch.cuda.is_available():
+        if parse_layer_count(n_gpu_layers) in (None, 0) and not torch.cuda.is_available():
             device_map = all_on("cpu", file.config.n_layers)
         else:
             device_map = plan_device_map(file.path, n_gpu_layers, n_ctx=n_ctx, n_parallel=n_parallel,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localrun.errors import UserError
+from localrun.errors import OptionError, UserError
 
 HOST = "cpu"
 
@@ -54,16 +54,17 @@ def split_map(n_layers: int, first_group_layers: int, devices: tuple[str, str] =
                      f"layers {k}-{n_layers - 1} and the output head on {devices[1]}")
 
 
-def parse_gpu_layers(value) -> int | None:
-    """'auto' or None -> None (layerplan chooses); a number -> that number (>= 0)."""
+def parse_layer_count(value, option: str = "n_gpu_layers") -> int | None:
+    """'auto' or None -> None (layerplan chooses); a number -> that number (>= 0). The one parser
+    of a layer count: n_gpu_layers (--gpu-layers of every command) and plan's n_cpu_moe."""
     if value is None or str(value).strip().lower() == "auto":
         return None
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise UserError(f"gpu layers takes 'auto' or a number, not '{value}'") from None
+        raise OptionError(option, f"{option} takes 'auto' or a number, not '{value}'.") from None
     if n < 0:
-        raise UserError(f"gpu layers must be 'auto' or a number from 0 up, got {n}")
+        raise OptionError(option, f"{option} takes 'auto' or a number from 0 up, not {n}.")
     return n
 
 
@@ -71,7 +72,7 @@ def plan_device_map(model_path, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1
                     machine=None) -> DeviceMap:
     """Ask layerplan where each layer goes on this machine (or `machine`), as a DeviceMap."""
     import layerplan
-    n = parse_gpu_layers(n_gpu_layers)
+    n = parse_layer_count(n_gpu_layers)
     profile = layerplan.profile_gguf(model_path)
     machine = machine or layerplan.probe_machine()
     if n is None and not machine.gpus:

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from localrun.errors import UserError
+from localrun.errors import OptionError
 
 
-class InvalidSamplingParam(UserError, ValueError):
+class InvalidSamplingParam(OptionError, ValueError):
     """A sampling field out of its range; `field` names it (the server's 400 carries it)."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
+    @property
+    def field(self) -> str:
+        return self.option
 
 
 # The ranges, OpenAI's where OpenAI defines the field. repeat_penalty (llama.cpp's) divides

@@ -19,7 +19,7 @@ def test_llm_passes_admission_options_to_the_engine(tiny_gguf):
     assert (config.policy, config.output_reserve_tokens, config.watermark) == ("cache_aware", 0, 0.0)
 
 
-@pytest.mark.parametrize("options, fragment", [({"scheduling": "lifo"}, "scheduling policy"),
+@pytest.mark.parametrize("options, fragment", [({"scheduling": "lifo"}, "scheduling takes fcfs or cache_aware"),
                                                ({"output_reserve_tokens": -1}, "output_reserve_tokens"),
                                                ({"kv_watermark": 1.5}, "watermark")])
 def test_bad_admission_options_are_user_errors(tiny_gguf, options, fragment):
@@ -29,4 +29,4 @@ def test_bad_admission_options_are_user_errors(tiny_gguf, options, fragment):
 
 def test_serve_refuses_an_unknown_schedule(tiny_gguf):
     assert_user_error(run_cli("serve", str(tiny_gguf("F32")), "--schedule", "lifo", "--port", "18999"),
-                      "scheduling policy")
+                      "--schedule takes fcfs or cache_aware")

@@ -121,3 +121,36 @@ def test_unknown_catalog_name():
 
 def test_directory_is_not_a_model(tmp_path):
     assert_user_error(run_cli("info", str(tmp_path)), "directory")
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["generate", "{missing}", "-p", "hi", "--ctx", "1"], "--ctx must be an integer >= 2, got 1."),
+    (["generate", "{missing}", "-p", "hi", "--kv-type", "q4"], "--kv-type takes f32, bf16, f16, int8, fp8, not 'q4'."),
+    (["generate", "{missing}", "-p", "hi", "-ngl", "many"], "--gpu-layers takes 'auto' or a number, not 'many'."),
+    (["plan", "llama2-7b", "--n-cpu-moe", "-3"], "--n-cpu-moe takes 'auto' or a number from 0 up, not -3."),
+    (["serve", "{missing}", "--kv-budget", "lots"], "--kv-budget is 'lots', which is not a size; write it like "
+                                                    "24GiB, 16G or 512MiB."),
+    (["serve", "{missing}", "-np", "64", "-b", "16"], "--max-batched-tokens (16) must be at least the number of "
+                                                      "sequences batched together (64), so every decode fits a step."),
+    (["serve", "{missing}", "--schedule", "lifo"], "--schedule takes fcfs or cache_aware (the admission order), "
+                                                   "not 'lifo'."),
+    (["chat", "{missing}", "--draft-model", "self:two"], "--draft-model takes a self-draft as self:N with N a "
+                                                         "number of layers, not 'self:two'."),
+    # found only once the model loads
+    (["generate", "{tiny}", "-t", "1", "-p", "hi", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["generate", "{tiny}", "-t", "1", "-p", "hi", "--spec", "ngram", "--draft-max", "0"],
+     "--draft-max must be between 1 and 32, got 0."),
+    (["serve", "{tiny}", "-t", "1", "--no-chunked-prefill", "-b", "64", "--ctx", "128", "--port", "18996"],
+     "--max-batched-tokens (64) must cover the context length (128) without chunked prefill."),
+])
+def test_a_bad_flag_is_one_sentence_naming_the_flag(tiny_gguf, tmp_path, monkeypatch, capsys, args, sentence):
+    """The sentence names the flag the user typed, not the option behind it (kv_budget_bytes,
+    policy, num_speculative_tokens); main() as the console script runs it, in this process."""
+    from localrun.cli.main import main
+    paths = {"{missing}": str(tmp_path / "missing.gguf"), "{tiny}": str(tiny_gguf("F32"))}
+    monkeypatch.setattr(sys, "argv", ["localrun"] + [paths.get(a, a) for a in args])
+    with pytest.raises(SystemExit) as exit:
+        main()
+    stderr = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == f"error: {sentence}", stderr

@@ -8,7 +8,7 @@ import pytest
 import typer
 
 from localrun.engine_config import DEFAULT_OUTPUT_RESERVE_TOKENS, DEFAULT_WATERMARK, EngineConfig
-from localrun.errors import UserError
+from localrun.errors import OptionError, UserError
 from test_cli_errors import assert_user_error, run_cli
 
 
@@ -23,13 +23,29 @@ def test_defaults_and_normalised_values():
     ({"n_ctx": 1}, "n_ctx"), ({"n_threads": -1}, "n_threads"), ({"n_parallel": 0}, "n_parallel"),
     ({"n_keep": -1}, "n_keep"), ({"cache_ram": "lots"}, "not a size"), ({"cache_ram": -1}, "non-negative"),
     ({"cache_disk": 0}, "positive"), ({"kv_budget_bytes": "2 apples"}, "not a size"),
-    ({"n_gpu_layers": "most"}, "gpu layers"), ({"scheduling": "lifo"}, "scheduling policy"),
-    ({"kv_watermark": 1.5}, "watermark"), ({"output_reserve_tokens": -1}, "output_reserve_tokens"),
+    ({"n_gpu_layers": "most"}, "n_gpu_layers takes 'auto'"), ({"scheduling": "lifo"}, "scheduling takes fcfs"),
+    ({"kv_watermark": 1.5}, "kv_watermark must be"), ({"output_reserve_tokens": -1}, "output_reserve_tokens"),
     ({"n_parallel": 64, "max_num_batched_tokens": 16}, "max_num_batched_tokens"),
-    ({"speculative": "self:two"}, "self:N")])
+    ({"speculative": "self:two"}, "self:N"), ({"kv_type": "q8_0"}, "kv_type takes f32, bf16, f16, int8, fp8,"),
+    ({"kv_type": "F16"}, "kv_type takes"), ({"dtype": "float64"}, "dtype takes float32, bfloat16, float16,"),
+    ({"dtype": "bf16"}, "dtype takes")])
 def test_each_option_is_checked_once_with_one_sentence(options, fragment):
-    with pytest.raises(UserError, match=fragment):
+    """The sentence starts with the option's name (the scheduler's checks too, under this config's
+    names: scheduling, not policy), so the CLI can say the flag instead."""
+    with pytest.raises(OptionError, match=fragment) as raised:
         EngineConfig(**options)
+    option = raised.value.option
+    assert str(raised.value).startswith(option) and option in EngineConfig.__dataclass_fields__
+
+
+def test_kv_type_and_dtype_take_what_the_engine_runs():
+    import torch
+    for kv_type in ("f32", "bf16", "f16", "int8", "fp8"):
+        assert EngineConfig(kv_type=kv_type).kv_type == kv_type
+    for dtype in ("float32", "bfloat16", "float16", torch.float32, torch.bfloat16, torch.float16):
+        assert EngineConfig(dtype=dtype).dtype == dtype
+    with pytest.raises(OptionError, match="dtype takes"):
+        EngineConfig(dtype=torch.float64)
 
 
 def test_replace_checks_again():
@@ -89,6 +105,19 @@ def test_chat_generate_and_serve_declare_the_shared_flags_once():
 
 def test_a_bad_flag_is_refused_before_the_model_is_looked_up(tmp_path):
     missing = str(tmp_path / "missing.gguf")
-    assert_user_error(run_cli("generate", missing, "-p", "hi", "--ctx", "1"), "n_ctx")
+    assert_user_error(run_cli("generate", missing, "-p", "hi", "--ctx", "1"), "--ctx must be")
     assert_user_error(run_cli("chat", missing, "--cache-ram", "lots"), "not a size")
     assert_user_error(run_cli("serve", missing, "--kv-budget", "lots", "--port", "18998"), "not a size")
+
+
+def test_each_renamed_option_names_a_flag_the_commands_take():
+    """A bad value's sentence names the flag (FLAGS, else the option's name in dashes): each such
+    flag exists, for EngineConfig's fields, generate's sampling options and plan's --n-cpu-moe."""
+    from localrun.cli.main import app
+    from localrun.cli.options import FLAGS, flag_of
+    flags = {opt for command in typer.main.get_command(app).commands.values() for p in command.params
+             for opt in p.opts}
+    assert set(FLAGS) <= set(EngineConfig.__dataclass_fields__) and set(FLAGS.values()) <= flags
+    for option in ("cache_dir", "cache_disk", "cache_ram", "kv_type", "max_tokens", "temperature", "top_k",
+                   "top_p", "min_p", "repeat_penalty", "seed", "n_cpu_moe"):
+        assert flag_of(option) in flags, option

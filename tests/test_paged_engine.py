@@ -364,7 +364,7 @@ def test_capacity_and_user_errors(model):
         LLMEngine(model, kv_budget_bytes=2048 * 100)
     with pytest.raises(UserError, match="either num_blocks or kv_budget_bytes"):
         LLMEngine(model, num_blocks=64, kv_budget_bytes=1 << 20)
-    with pytest.raises(UserError, match="Unknown kv_type"):
+    with pytest.raises(UserError, match="kv_type takes"):
         LLMEngine(model, kv_type="q4")
     with pytest.raises(UserError, match="exceeds the 256 positions"):
         LLMEngine(model, max_model_len=512)

@@ -10,17 +10,19 @@ import layerplan
 from localrun.api import LLM
 from localrun.errors import UserError
 from localrun.model.llama import Transformer
-from localrun.placement import all_on, device_map_from_plan, parse_gpu_layers, plan_device_map, split_map
+from localrun.placement import all_on, device_map_from_plan, parse_layer_count, plan_device_map, split_map
 
 IDS = [5, 77, 300, 12, 12, 199, 3, 250, 41, 8, 160, 90, 17, 311, 64, 2]
 
 
-def test_parse_gpu_layers():
-    assert parse_gpu_layers("auto") is None and parse_gpu_layers(None) is None
-    assert parse_gpu_layers("12") == 12
+def test_parse_layer_count():
+    assert parse_layer_count("auto") is None and parse_layer_count(None) is None
+    assert parse_layer_count("12") == 12
     for bad in ("lots", "-1"):
-        with pytest.raises(UserError):
-            parse_gpu_layers(bad)
+        with pytest.raises(UserError, match="^n_gpu_layers takes 'auto' or a number"):
+            parse_layer_count(bad)
+    with pytest.raises(UserError, match="^n_cpu_moe takes 'auto' or a number"):
+        parse_layer_count("some", "n_cpu_moe")
 
 
 def test_auto_without_gpu_is_all_cpu(tiny_gguf):

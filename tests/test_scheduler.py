@@ -272,7 +272,7 @@ def test_timeline_and_timings_with_a_fake_clock():
 
 def test_user_errors_are_one_sentence():
     bm = BlockManager(num_blocks=4, block_size=4)
-    with pytest.raises(UserError, match="at least max_num_seqs"):
+    with pytest.raises(UserError, match="at least the number of sequences batched together"):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(UserError, match="policy"):
         SchedulerConfig(policy="random")

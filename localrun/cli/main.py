@@ -17,7 +17,7 @@ from rich.table import Table
 from localrun.cli.cache import cache_app
 from localrun.cli.options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
                                    GpuLayersOpt, KvTypeOpt, ModelArg, NoDiskCacheOpt, SpecOpt, ThreadsOpt, engine_config,
-                                   load_llm)
+                                   in_flag_words, load_llm)
 from localrun.cli.plan import plan
 from localrun.cli.tune import tune
 from localrun.cli.bench import bench
@@ -106,7 +106,7 @@ def chat(model: Optional[str] = ModelArg,
                                             target=(llm.n_ctx + min(max_tokens, llm.n_ctx // 2)) // 2)
         except UserError as e:
             history.pop()
-            err.print(f"[red]{e}[/red]")
+            err.print(f"[red]{in_flag_words(e)}[/red]")
             continue
         if dropped:
             err.print(f"[yellow]context full: dropped the {dropped} oldest messages"
@@ -123,9 +123,9 @@ def chat(model: Optional[str] = ModelArg,
             sys.stdout.write("\n")
             err.print("[dim](stopped)[/dim]")
             last = None
-        except UserError as e:        # e.g. the conversation outgrew the context
+        except UserError as e:        # e.g. the conversation outgrew the context, or a bad --temperature
             history.pop()
-            err.print(f"[red]{e}[/red]")
+            err.print(f"[red]{in_flag_words(e)}[/red]")
             continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
@@ -256,7 +256,7 @@ def main():
     try:
         app()
     except UserError as e:
-        err.print(f"[red]error:[/red] {e}", soft_wrap=True)
+        err.print(f"[red]error:[/red] {in_flag_words(e)}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

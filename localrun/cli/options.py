@@ -1,7 +1,7 @@
-"""The options chat, generate and serve share: each flag declared once (name, default, help),
-one way from flags to an EngineConfig (checked before anything loads, so a bad flag is one
-sentence and exit 2), and one way to load the model (`load_llm`: the tuned profile fills what
-the flags leave unset)."""
+"""The options chat, generate and serve share (and plan, --gpu-layers): each flag declared once
+(name, default, help), one way from flags to an EngineConfig (checked before anything loads, so
+a bad flag is one sentence and exit 2), the flag each option is called by in those sentences,
+and one way to load the model (`load_llm`: the tuned profile fills what the flags leave unset)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from localrun.engine_config import DEFAULT_OUTPUT_RESERVE_TOKENS, EngineConfig
-from localrun.errors import UserError
+from localrun.errors import OptionError, UserError
 
 err = Console(stderr=True, highlight=False)
 
@@ -22,7 +22,8 @@ ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: t
 KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8 (default: f16 for "
                          "float32 models, else the compute dtype).")
 GpuLayersOpt = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU without a "
-                            "GPU) or the number of layers on the GPU (llama.cpp's -ngl: the last N).")
+                            "GPU) or the number of layers on the GPU (llama.cpp's -ngl: the last N; n_layers+1 "
+                            "adds the output head).")
 # --- the prefix cache's tiers ---------------------------------------------------------------------
 CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk KV cache directory (default: $LOCALRUN_HOME/kv-cache).")
 NoDiskCacheOpt = typer.Option(False, "--no-disk-cache", help="Do not keep prefix blocks on disk across restarts.")
@@ -48,6 +49,24 @@ ScheduleOpt = typer.Option("fcfs", "--schedule", help="Admission order: fcfs, or
                            "prefix first, none passed over more than 16 times).")
 OutputReserveOpt = typer.Option(DEFAULT_OUTPUT_RESERVE_TOKENS, "--output-reserve", help="Output tokens of KV a "
                                 "request must find room for to be admitted (0: admit greedily and preempt when full).")
+
+
+# The flag of each option (EngineConfig's fields) whose flag is not its name in dashes, as top_p's
+# --top-p and n_cpu_moe's --n-cpu-moe are: a bad value's sentence names the flag the user typed.
+FLAGS = {"n_ctx": "--ctx", "n_threads": "--threads", "n_gpu_layers": "--gpu-layers", "n_parallel": "--parallel",
+         "max_num_batched_tokens": "--max-batched-tokens", "kv_budget_bytes": "--kv-budget",
+         "scheduling": "--schedule", "output_reserve_tokens": "--output-reserve", "speculative": "--draft-model",
+         "num_speculative_tokens": "--draft-max"}
+
+
+def flag_of(option: str) -> str:
+    return FLAGS.get(option, "--" + option.replace("_", "-"))
+
+
+def in_flag_words(error: UserError) -> UserError:
+    """The error as the user should read it: an option's bad value under the flag they typed
+    (--kv-budget, not kv_budget_bytes); any other error as it is."""
+    return error.named(flag_of(error.option)) if isinstance(error, OptionError) else error
 
 
 def speculative_options(draft_model: str | None, spec: str | None) -> dict:

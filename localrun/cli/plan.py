@@ -9,7 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from localrun.cli.options import GpuLayersOpt
 from localrun.errors import UserError
+from localrun.placement import parse_layer_count
 
 EMIT_TARGETS = ("llama-server", "vllm")
 
@@ -43,20 +45,10 @@ def _engine_compute() -> tuple[str, int | None]:
     return str(default_dtype()).removeprefix("torch."), default_threads()
 
 
-def _auto_or_int(flag: str, text: str) -> int | None:
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise UserError(f"{flag} takes 'auto' or a number, not '{text}'") from None
-
-
 def plan(
     model: Annotated[str, typer.Argument(help="A .gguf file, a catalog name, or a built-in shape such as "
                                               "llama3.1-8b:q4_k_m.", show_default=False)],
-    gpu_layers: Annotated[str, typer.Option("--gpu-layers", "-ngl", help="'auto', or the number of layers to put "
-                                            "on the GPU (llama.cpp's -ngl: the last N; n_layers+1 adds the output head).")] = "auto",
+    gpu_layers: str = GpuLayersOpt,
     cpu_moe: Annotated[str, typer.Option("--n-cpu-moe", help="MoE models: 'auto', or keep the routed experts of "
                                          "the first N layers in RAM (llama.cpp's --n-cpu-moe).")] = "auto",
     ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per sequence, in tokens "
@@ -99,8 +91,8 @@ def plan(
         raise UserError(f"--emit takes {' or '.join(EMIT_TARGETS)}, not '{emit}'")
     if prefer is not None and prefer not in PREFERENCES:
         raise UserError(f"--prefer takes {', '.join(PREFERENCES)}, not '{prefer}'")
-    n_gpu_layers = _auto_or_int("--gpu-layers", gpu_layers)
-    n_cpu_moe = _auto_or_int("--n-cpu-moe", cpu_moe)
+    n_gpu_layers = parse_layer_count(gpu_layers)
+    n_cpu_moe = parse_layer_count(cpu_moe, "n_cpu_moe")
     profile = load_profile(model)
     try:
         local = layerplan.build_machine()

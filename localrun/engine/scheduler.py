@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from localrun.engine.block_manager import BlockManager, slot_mapping
 from localrun.engine.sequence import Sequence, SequenceStatus
-from localrun.errors import UserError
+from localrun.errors import OptionError, UserError
 
 POLICIES = ("fcfs", "cache_aware")
 
@@ -69,20 +69,23 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
-            raise UserError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+            raise OptionError("max_num_seqs", f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise UserError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
-                            f"least max_num_seqs ({self.max_num_seqs}), so every decode fits a step.")
+            raise OptionError("max_num_batched_tokens", f"max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                              f"must be at least the number of sequences batched together ({self.max_num_seqs}), "
+                              "so every decode fits a step.")
         if self.itl_target_s is not None and not self.itl_target_s > 0:
             raise UserError(f"the inter-token latency target must be positive, got {self.itl_target_s} s.")
         if self.max_bypass < 0:
             raise UserError(f"max_bypass must be at least 0, got {self.max_bypass}.")
         if self.output_reserve_tokens < 0:
-            raise UserError(f"output_reserve_tokens must be at least 0, got {self.output_reserve_tokens}.")
+            raise OptionError("output_reserve_tokens",
+                              f"output_reserve_tokens must be at least 0, got {self.output_reserve_tokens}.")
         if not 0.0 <= self.watermark < 1.0:
-            raise UserError(f"watermark must be a fraction of the KV blocks in [0, 1), got {self.watermark}.")
+            raise OptionError("watermark", f"watermark must be a fraction of the KV blocks in [0, 1), got {self.watermark}.")
         if self.policy not in POLICIES:
-            raise UserError(f"Unknown scheduling policy {self.policy!r}; choose one of {POLICIES}.")
+            raise OptionError("policy", f"policy takes {' or '.join(POLICIES)} (the admission order), "
+                              f"not {self.policy!r}.")
 
 
 @dataclass
@@ -187,9 +190,8 @@ class Scheduler:
             raise UserError(f"The context length {self.max_model_len} does not fit the KV cache "
                             f"({capacity} tokens); lower it or give the KV cache more memory.")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise UserError(f"Without chunked prefill, max_num_batched_tokens "
-                            f"({config.max_num_batched_tokens}) must cover the context length "
-                            f"({self.max_model_len}).")
+            raise OptionError("max_num_batched_tokens", f"max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                              f"must cover the context length ({self.max_model_len}) without chunked prefill.")
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = tuple(eos_token_ids)

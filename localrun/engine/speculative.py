@@ -28,7 +28,7 @@ import torch
 from localrun.engine.draft_model import DraftKVCache, DraftModelProposer, layer_devices
 from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.engine.spec_control import AdaptiveController, StepCostModel
-from localrun.errors import UserError
+from localrun.errors import OptionError, UserError
 from localrun.model.llama import Segment
 from localrun.sampling import SamplingParams, probabilities, sample
 
@@ -48,8 +48,8 @@ class SpeculativeConfig:
         if self.method not in ("ngram", "draft"):
             raise UserError(f"Unknown speculative method {self.method!r}; use 'ngram' or a draft model.")
         if not 1 <= self.num_speculative_tokens <= 32:
-            raise UserError(f"num_speculative_tokens must be between 1 and 32, "
-                            f"got {self.num_speculative_tokens}.")
+            raise OptionError("num_speculative_tokens", f"num_speculative_tokens must be between 1 and 32, "
+                              f"got {self.num_speculative_tokens}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UserError(f"Need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}.")
         if self.ngram_policy not in NGRAM_POLICIES:
