@@ -245,43 +245,96 @@ def test_paged_attention_equals_float64_reference(hd, n_kv, group):
 
 @pytest.mark.parametrize("kv_type", ["int8", "fp8"])
 @pytest.mark.parametrize("hd", [64, 40])
-def test_paged_attention_quantized_pool_equals_float32_pool_of_its_values(kv_type, hd):
-    """int8 (K per block and channel, V per token) and fp8 pools, as the engine's stores write
-    them, read in place with their scales: bit for bit the float32 kernel over the values the
-    stores' own read dequantizes (so each value is code * scale, one float32 product)."""
+def test_paged_attention_quantized_pool_writes_as_the_stores_and_reads_their_values(kv_type, hd):
+    """int8 (K per block and channel, V per token) and fp8 pools: the kernel quantizes the rows'
+    new K/V into the pool byte for byte as the engine's stores write them (an int8 K block
+    requantized whole, verify rows crossing a block edge, a row opening a block), then reads the
+    pool in place: bit for bit the float32 kernel over the values the stores' own read
+    dequantizes (so each value is code * scale, one float32 product)."""
     from localrun.engine import paged_kv
     from localrun.engine.paged_kv import PagedKVCache, WriteTarget
     if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
         pytest.skip("this torch has no float8_e4m3fn")
     g = torch.Generator().manual_seed(hd)
-    n_kv, group, num_blocks, lengths = 2, 3, 24, [1, 9, 16, 40, 95, 700]
-    cache = PagedKVCache(num_blocks=num_blocks * 3, block_size=BLOCK, n_layers=1, n_head_kv=n_kv, head_dim=hd,
-                         kv_type=kv_type, compute_dtype=torch.float32)
-    k_store, v_store = cache.layers[0]
-    for b in range(num_blocks * 3):                       # every block written whole, as a prompt would
+    n_kv, group, num_blocks = 2, 3, 72
+    # rows per sequence: one decode row each, 3 verify rows across a block edge (positions
+    # 15..17), a row opening a new block (position 32), and rows of a 700-token sequence
+    lengths = [1, 9, 16, 16, 17, 18, 33, 40, 95, 700]
+    row_seq = [0, 1, 2, 3, 3, 3, 4, 5, 6, 7]
+    caches = [PagedKVCache(num_blocks=num_blocks, block_size=BLOCK, n_layers=1, n_head_kv=n_kv, head_dim=hd,
+                           kv_type=kv_type, compute_dtype=torch.float32) for _ in range(2)]
+    stores = [c.layers[0] for c in caches]
+    for b in range(num_blocks):                       # every block written whole, as a prompt would
         target = WriteTarget(torch.arange(b * BLOCK, (b + 1) * BLOCK), torch.tensor([b]), 0)
-        k_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g) * 3)
-        v_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g))
-    everything = torch.arange(num_blocks * 3)
-    kf = k_store.read(everything, num_blocks * 3 * BLOCK, torch.float32)
-    vf = v_store.read(everything, num_blocks * 3 * BLOCK, torch.float32)
-    tables = torch.stack([torch.randperm(num_blocks * 3, generator=g)[:45] for _ in lengths])
+        k, v = torch.randn(BLOCK, n_kv, hd, generator=g) * 3, torch.randn(BLOCK, n_kv, hd, generator=g)
+        for k_store, v_store in stores:
+            k_store.write(target, k)
+            v_store.write(target, v)
+    tables = torch.stack([torch.randperm(num_blocks - 16, generator=g)[:45] + 16 for _ in range(8)])
+    for s in range(8):                                 # the blocks written are each sequence's own
+        ends = [n for n, seq in zip(lengths, row_seq) if seq == s]
+        tables[s, (ends[0] - 1) // BLOCK] = 2 * s
+        tables[s, (ends[-1] - 1) // BLOCK] = 2 * s + 1 if (ends[-1] - 1) // BLOCK != (ends[0] - 1) // BLOCK else 2 * s
+    slots = torch.tensor([int(tables[s, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for s, n in zip(row_seq, lengths)])
     q = torch.randn(len(lengths), n_kv * group, hd, generator=g)
-    slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)])
-    none = torch.empty(0, n_kv, hd)
+    k_new, v_new = torch.randn(len(lengths), n_kv, hd, generator=g) * 3, torch.randn(len(lengths), n_kv, hd, generator=g)
+    k_new[0, 0, :5] = 0.0                                                  # an all-zero group keeps a usable scale
+    (k_kernel, v_kernel), (k_ref, v_ref) = stores
+    out = torch.ops.localrun.paged_attention(q, k_new, v_new, k_kernel.data, v_kernel.data, slots, tables,
+                                             torch.tensor(row_seq), torch.tensor(lengths), BLOCK, 0,
+                                             k_scale=k_kernel.scale, v_scale=v_kernel.scale)
+    for s in sorted(set(row_seq)):                     # the reference: each sequence's rows through the stores
+        rows = [r for r, seq in enumerate(row_seq) if seq == s]
+        first, end = lengths[rows[0]] - 1, lengths[rows[-1]]
+        target = WriteTarget(slots[rows], tables[s, first // BLOCK:(end - 1) // BLOCK + 1], first % BLOCK)
+        k_ref.write(target, k_new[rows])
+        v_ref.write(target, v_new[rows])
+    for got, want in ((k_kernel, k_ref), (v_kernel, v_ref)):
+        assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
+    everything = torch.arange(num_blocks)
+    kf = k_ref.read(everything, num_blocks * BLOCK, torch.float32)
+    vf = v_ref.read(everything, num_blocks * BLOCK, torch.float32)
     for window in (0, 20):
-        rest = lambda rows: (slots[rows], tables, torch.tensor(rows), torch.tensor([lengths[r] for r in rows]), BLOCK, window)
+        rest = lambda rows: (slots[rows], tables, torch.tensor([row_seq[r] for r in rows]),
+                             torch.tensor([lengths[r] for r in rows]), BLOCK, window)
         rows = list(range(len(lengths)))
-        got = torch.ops.localrun.paged_attention(q, none, none, k_store.data, v_store.data, *rest(rows),
-                                                 k_scale=k_store.scale, v_scale=v_store.scale)
-        kp, vp = kf.clone(), vf.clone()
-        same = torch.ops.localrun.paged_attention(q, kf[slots], vf[slots], kp, vp, *rest(rows))
+        got = torch.ops.localrun.paged_attention(q, k_new, v_new, k_kernel.data.clone(), v_kernel.data.clone(),
+                                                 *rest(rows), k_scale=k_kernel.scale.clone(), v_scale=v_kernel.scale.clone())
+        same = torch.ops.localrun.paged_attention(q, kf[slots], vf[slots], kf.clone(), vf.clone(), *rest(rows))
         assert torch.equal(got, same), f"window {window}"
-        alone = torch.ops.localrun.paged_attention(q[[4]], none, none, k_store.data, v_store.data, *rest([4]),
-                                                   k_scale=k_store.scale, v_scale=v_store.scale)
-        assert torch.equal(alone[0], got[4])
+        if window == 0:
+            assert torch.equal(got, out)
     with pytest.raises(RuntimeError, match="k_scale and v_scale"):
-        torch.ops.localrun.paged_attention(q, none, none, k_store.data, v_store.data, *rest(rows))
+        torch.ops.localrun.paged_attention(q, k_new, v_new, k_kernel.data, v_kernel.data, *rest(rows))
+
+
+@pytest.mark.parametrize("kv_type", ["int8", "fp8"])
+def test_paged_attention_widens_every_code_exactly(kv_type):
+    """Every int8 and float8 e4m3fn code (subnormals, both zeros, NaN included) read by the
+    kernel is the value torch gives it: each row attends over one stored position whose value
+    codes are the ones under test (scale 1) and a new position whose score underflows and
+    whose value is 0, so the output is the stored value row itself."""
+    from localrun.engine import paged_kv
+    from localrun.engine.paged_kv import PagedKVCache
+    if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    hd, rows = 64, 4
+    cache = PagedKVCache(num_blocks=rows, block_size=BLOCK, n_layers=1, n_head_kv=1, head_dim=hd, kv_type=kv_type,
+                         compute_dtype=torch.float32)
+    k_store, v_store = cache.layers[0]
+    k_store.data.zero_()
+    k_store.scale.fill_(1.0)
+    v_store.scale.fill_(1.0)
+    codes = torch.arange(256, dtype=torch.uint8) if kv_type == "fp8" else torch.arange(-128, 128).to(torch.int8)
+    v_store.data[::BLOCK] = codes.view(rows, 1, hd).view(v_store.data.dtype)      # position 0 of each block
+    q = torch.ones(rows, 1, hd)
+    k_new = torch.full((rows, 1, hd), -1e4)                                           # score -8e5: e^(s - max) ~ 0
+    out = torch.ops.localrun.paged_attention(q, k_new, torch.zeros(rows, 1, hd), k_store.data, v_store.data,
+                                             torch.arange(rows) * BLOCK + 1, torch.arange(rows)[:, None],
+                                             torch.arange(rows), torch.full((rows,), 2), BLOCK, 0,
+                                             k_scale=k_store.scale, v_scale=v_store.scale)
+    want = (codes.view(paged_kv.fp8_dtype()) if kv_type == "fp8" else codes).float().view(rows, 1, hd)
+    np.testing.assert_array_equal(out.numpy(), want.numpy())
 
 
 @pytest.mark.parametrize("hd", [64, 40])

@@ -179,8 +179,9 @@ def test_continuous_batching_equals_each_request_alone(model, prefix_caching, ch
 
 @pytest.mark.parametrize("kv_type", ["int8", "fp8"])
 def test_quantized_kv_through_the_paged_kernel_equals_the_gather_path(tiny_gguf, kv_type, monkeypatch):
-    """int8/fp8 decode rows are written through the stores (their scales) and read in place by
-    the paged kernel: the same greedy outputs as the gather + SDPA path over the same pool."""
+    """int8/fp8 decode rows are quantized into the pool and read in place by the paged kernel
+    (inside the fused decode block, or alone beside prompt rows): the same greedy outputs as
+    the stores' writes + gather + SDPA path."""
     from localrun import kernels
     if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
         pytest.skip("this torch has no float8_e4m3fn")
@@ -188,17 +189,21 @@ def test_quantized_kv_through_the_paged_kernel_equals_the_gather_path(tiny_gguf,
         pytest.skip("localrun's kernels did not compile here")
     model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1).model   # the kernels' model
     kernel_engine = make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=16, kv_type=kv_type)
-    assert kernel_engine.kv_cache.supports_paged_attention and not kernel_engine.kv_cache.kernel_writes
-    quantized_calls = []
-    real = torch.ops.localrun.paged_attention
+    assert kernel_engine.kv_cache.supports_paged_attention and kernel_engine.kv_cache.quantized
+    calls = {"paged_attention": [], "decode_block": []}
 
-    def counting(*args, **kwargs):
-        quantized_calls.append(args[-1] is not None)            # v_scale
-        return real(*args, **kwargs)
+    def counting(name):
+        real = getattr(torch.ops.localrun, name)
 
-    monkeypatch.setattr(torch.ops.localrun, "paged_attention", counting)
+        def call(*args, **kwargs):
+            calls[name].append(args[-1] is not None)            # v_scale
+            return real(*args, **kwargs)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(torch.ops.localrun, name, counting(name))
     with_kernel = [s.generated_token_ids for s in run_all(kernel_engine, PROMPTS, GREEDY)]
-    assert quantized_calls and all(quantized_calls)
+    assert all(calls.values()) and all(all(c) for c in calls.values()), {k: len(v) for k, v in calls.items()}
     monkeypatch.setattr(paged_kv.PagedKVCache, "supports_paged_attention", property(lambda self: False))
     gather_engine = make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=16, kv_type=kv_type)
     with_gather = [s.generated_token_ids for s in run_all(gather_engine, PROMPTS, GREEDY)]

@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from layerplan.kv_cache import kv_type as planner_kv_type, layer_kv_bytes
 from layerplan.model_profile import profile_gguf
@@ -130,3 +131,40 @@ def test_engine_pools_match_the_plan_per_layer_type(gemma):
     extra_tokens = n_parallel * 2 * BS + batched + n_parallel * (BS - (WINDOW - 1) % BS - 1)
     assert planned["local"] <= pool["local"] <= planned["local"] + extra_tokens * per_token
     assert engine.num_local_blocks == num_window_blocks(WINDOW, BS, n_parallel, batched)
+
+
+@pytest.mark.parametrize("kv_type", ["int8", "fp8"])
+def test_quantized_kv_of_a_windowed_model_through_the_paged_kernel(tmp_path, kv_type, monkeypatch):
+    """gemma-3's local layers keep their own pool: int8/fp8 decode rows are quantized into it
+    (and into the global pool) by the paged kernel, which reads both in place: the same greedy
+    outputs as the stores' writes + gather path, for three sequences past the 8-token window."""
+    from localrun import kernels
+    from localrun.engine import paged_kv
+    if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    if not kernels.available():
+        pytest.skip("localrun's kernels did not compile here")
+    path = write_tiny_model(tmp_path / "gemma-q8.gguf", architecture="gemma3", tensor_type="Q8_0")
+    model = LLM(path, dtype="float32", quantized=True, n_threads=1).model
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 11, 20)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def generate(paged_kernel: bool) -> list[list[int]]:
+        monkeypatch.setattr(paged_kv.PagedKVCache, "supports_paged_attention",
+                            property(lambda self: paged_kernel))
+        engine = LLMEngine(model, tokenizer_eog_ids=(2,), num_blocks=64, block_size=BS, max_model_len=64,
+                           max_num_seqs=3, max_num_batched_tokens=16, kv_type=kv_type)
+        assert engine.kv_cache.local_layers and engine.kv_cache.quantized
+        seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.generated_token_ids for s in seqs]
+
+    calls = []
+    real = torch.ops.localrun.decode_block
+    monkeypatch.setattr(torch.ops.localrun, "decode_block",
+                        lambda *a, **k: calls.append(a[-1] is not None) or real(*a, **k))
+    with_kernel = generate(True)
+    assert calls and all(calls)
+    assert with_kernel == generate(False)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from localrun.engine.paged_kv import PagedKVCache, WriteTarget
+from localrun.engine.paged_kv import PagedKVCache
 from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
 from localrun.engine.speculative import verify_draft
@@ -91,7 +91,7 @@ class ModelRunner:
 
     def paged_rows(self, batch: Batch, num_rows: int) -> PagedRows | None:
         """The leading decode and verify rows' metadata for the paged attention kernel, where
-        the model runs localrun's kernels on the CPU over a float pool (f32, f16, bf16); else None."""
+        the model runs localrun's kernels on the CPU over a pool the kernel reads (any KV type); else None."""
         if not num_rows or not self.model.fused or not self.kv_cache.supports_paged_attention:
             return None
         entries = batch.entries[:next((i for i, e in enumerate(batch.entries) if e.is_prefill), len(batch.entries))]
@@ -114,19 +114,9 @@ class ModelRunner:
             local_tables = torch.tensor([t + [-1] * (local_width - len(t)) for t in local], dtype=torch.long)
             local_slots = torch.tensor([local[i][p // bs] * bs + p % bs for i, e in enumerate(entries)
                                         for p in range(e.start_position, e.start_position + e.num_new_tokens)])
-        write = scales = None
-        if not self.kv_cache.kernel_writes:       # quantized: each sequence's rows through the stores
-            targets, row = [], 0
-            for e in entries:
-                first, end = e.start_position, e.start_position + e.num_new_tokens
-                blocks = torch.tensor(e.seq.block_table[first // bs:(end - 1) // bs + 1], dtype=torch.long)
-                targets.append((row, row + e.num_new_tokens, WriteTarget(torch.tensor(slots[row:row + e.num_new_tokens]),
-                                                                         blocks, first % bs)))
-                row += e.num_new_tokens
-            kv_cache = self.kv_cache
-            write, scales = (lambda layer, k, v: kv_cache.write_rows(layer, targets, k, v)), kv_cache.scales
+        scales = self.kv_cache.scales if self.kv_cache.quantized else None   # int8/fp8: the kernel writes them too
         return PagedRows(num_rows, torch.tensor(slots), tables, torch.tensor(row_seq), torch.tensor(row_len), bs,
-                         self.kv_cache.float_pools, local_slots, local_tables, write, scales)
+                         self.kv_cache.float_pools, local_slots, local_tables, scales)
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> list[int | list[int] | Exception]:
         """Per sampling entry, in entry order (what Scheduler.postprocess takes): one token id,

@@ -254,24 +254,14 @@ class PagedKVCache:
 
     @property
     def supports_paged_attention(self) -> bool:
-        """Whether localrun::paged_attention can read this pool in place: any KV type on the
-        CPU, for a float32 model; a quantized pool only without a local (sliding-window) pool
-        (its rows are written through the stores first: write_rows)."""
-        return (self.compute_dtype == torch.float32 and all(d.type == "cpu" for d in self.devices)
-                and (self.kv_type in FLOAT_KV_TYPES or not self.local_layers))
+        """Whether localrun::paged_attention can read and write this pool in place: any KV type
+        on the CPU, for a float32 model (it quantizes int8/fp8 rows as the stores do)."""
+        return self.compute_dtype == torch.float32 and all(d.type == "cpu" for d in self.devices)
 
     @property
-    def kernel_writes(self) -> bool:
-        """Whether the paged kernel writes the new rows itself (float pools), or they go through
-        the stores first (quantized pools, whose scales the stores compute)."""
-        return self.kv_type in FLOAT_KV_TYPES
-
-    def write_rows(self, layer: int, targets: list[tuple[int, int, WriteTarget]], k: torch.Tensor,
-                   v: torch.Tensor) -> None:
-        """The decode rows' K/V (T, n_kv, hd) through the stores, one sequence's rows at a time:
-        targets are (first row, end row, where those rows go)."""
-        for start, end, target in targets:
-            self.write(layer, target, k[start:end], v[start:end])
+    def quantized(self) -> bool:
+        """Whether values are stored as codes with scales (int8, fp8)."""
+        return self.kv_type not in FLOAT_KV_TYPES
 
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A quantized layer's K and V scales, as the paged kernel reads them."""

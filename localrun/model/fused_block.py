@@ -42,7 +42,7 @@ class FusedDecode:
         return FusedDecode(block) if usable and kernels.available() else None
 
     def applies(self, x: torch.Tensor, segments, decode_rows: int, paged) -> bool:
-        return (paged is not None and paged.write is None and not segments and x.dtype == torch.float32
+        return (paged is not None and not segments and x.dtype == torch.float32
                 and x.dim() == 2 and decode_rows == x.shape[0] == paged.num_rows)
 
     def __call__(self, x: torch.Tensor, freqs: torch.Tensor, paged) -> torch.Tensor:
@@ -50,6 +50,7 @@ class FusedDecode:
         slots, tables = paged.slots, paged.block_tables
         if self.window and paged.local_slots is not None:            # the local layers' own pool
             slots, tables = paged.local_slots, paged.local_block_tables
+        scales = paged.scales(self.layer) if paged.scales is not None else (None, None)
         return torch.ops.localrun.decode_block(x, *self.args, freqs, k_pool, v_pool, slots, tables,
                                                paged.row_seq, paged.row_len, paged.block_size, self.window,
-                                               self.n_head, self.n_kv, self.neox, *self.options)
+                                               self.n_head, self.n_kv, self.neox, *self.options, *scales)

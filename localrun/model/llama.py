@@ -59,9 +59,7 @@ class PagedRows:
     pools: object                 # layer -> (k_pool, v_pool), each (num_blocks * block_size, n_kv, hd)
     local_slots: torch.Tensor | None = None         # (T,) the same in the local layers' pool, if it has one
     local_block_tables: torch.Tensor | None = None  # (S, max_blocks) local tables, padded (-1: freed)
-    # quantized pools (int8, fp8): write(layer, k, v) stores the rows' K/V through the pool's
-    # stores (which compute the scales) before the kernel reads them; scales(layer) -> (k, v) scales
-    write: object = None
+    # quantized pools (int8, fp8): layer -> (k_scale, v_scale), written by the kernel with the rows
     scales: object = None
 
 
@@ -143,12 +141,8 @@ class Attention(nn.Module):
             slots, tables = paged.slots, paged.block_tables
             if self.window is not None and paged.local_slots is not None:     # the local layers' pool
                 slots, tables = paged.local_slots, paged.local_block_tables
-            k_new, v_new, k_scale, v_scale = k[:n], v[:n], None, None
-            if paged.write is not None:     # a quantized pool: its stores write, the kernel reads
-                paged.write(self.layer, k_new, v_new)
-                k_new = v_new = k.new_empty(0, n_kv, self.head_dim)
-                k_scale, v_scale = paged.scales(self.layer)
-            out = torch.ops.localrun.paged_attention(q[:n], k_new, v_new, k_pool, v_pool, slots, tables,
+            k_scale, v_scale = paged.scales(self.layer) if paged.scales is not None else (None, None)
+            out = torch.ops.localrun.paged_attention(q[:n], k[:n], v[:n], k_pool, v_pool, slots, tables,
                                                       paged.row_seq, paged.row_len, paged.block_size,
                                                       self.window or 0, k_scale, v_scale)   # (n, H, hd)
             if segments:            # the prompt chunks after those rows

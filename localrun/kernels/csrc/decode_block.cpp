@@ -2,10 +2,11 @@
 //   decode_block(x, attn_norm, ffn_norm, eps, wqkv, qkv_types, wo, wo_types, w13, w13_types,
 //                w2, w2_types, freqs, k_pool, v_pool, slots, block_tables, row_seq, row_len,
 //                block_size, window, n_head, n_kv, neox, qkv_bias?, q_norm?, k_norm?,
-//                post_attn_norm?, post_ffw_norm?, q_scale, gelu) -> x + attention + feed-forward
+//                post_attn_norm?, post_ffw_norm?, q_scale, gelu, k_scale?, v_scale?) -> x + attention + feed-forward
 // for every block shape localrun/model/llama.py builds: optional Q/K/V biases (qwen2), per-head
 // Q/K norms (qwen3, gemma3), post-norms and GELU-tanh (gemma3), a query scale (q_scale > 0,
-// folded into q), a sliding window. It calls the same ops, in the same order, as the Python path
+// folded into q), a sliding window, every KV pool paged_attention reads (k_scale and v_scale for
+// an int8 or fp8 one). It calls the same ops, in the same order, as the Python path
 // (Block.forward with the fused kernels and paged rows), RoPE included (the same aten complex
 // product), so a row's result is the same bits through either path: a decode row does not
 // change with whether its step also carries prompt rows (which take the Python path).
@@ -49,12 +50,13 @@ at::Tensor gelu_mul(const at::Tensor& gu) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& tables,
-                           const at::Tensor& row_seq, const at::Tensor& row_len, int64_t block_size, int64_t window) {
+                           const at::Tensor& row_seq, const at::Tensor& row_len, int64_t block_size, int64_t window,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::paged_attention", "")
         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
-    return op.call(q, k, v, k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window, std::nullopt, std::nullopt);
+    return op.call(q, k, v, k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window, k_scale, v_scale);
 }
 
 // llama.py's apply_rope: x (T, heads, hd) float32, freqs (T, hd/2) complex64
@@ -75,7 +77,8 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, const 
                         int64_t block_size, int64_t window, int64_t n_head, int64_t n_kv, bool neox,
                         const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
                         const std::optional<at::Tensor>& k_norm, const std::optional<at::Tensor>& post_attn_norm,
-                        const std::optional<at::Tensor>& post_ffw_norm, double q_scale, bool gelu) {
+                        const std::optional<at::Tensor>& post_ffw_norm, double q_scale, bool gelu,
+                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "localrun::decode_block: x must be (T, D) float32");
     TORCH_CHECK(freqs.is_complex() && freqs.dim() == 2 && freqs.size(0) == x.size(0),
                 "localrun::decode_block: freqs must be (T, hd/2) complex");
@@ -96,7 +99,7 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, const 
     at::Tensor q = qk.narrow(1, 0, n_head);
     if (q_scale > 0) q = q * q_scale;
     at::Tensor attn = paged_attention(q, qk.narrow(1, n_head, n_kv), heads.narrow(1, n_head + n_kv, n_kv),
-                                      k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window);
+                                      k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window, k_scale, v_scale);
     attn = qmatmul(attn.reshape({T, n_head * hd}), wo, wo_types);
     if (post_attn_norm) attn = rms_norm(attn, *post_attn_norm, eps);
     auto [h, normed] = add_rms_norm(x, attn, ffn_norm, eps);
@@ -115,7 +118,8 @@ TORCH_LIBRARY_FRAGMENT(localrun, m) {
           "Tensor[] wo, int[] wo_types, Tensor[] w13, int[] w13_types, Tensor[] w2, int[] w2_types, Tensor freqs, "
           "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor block_tables, Tensor row_seq, Tensor row_len, "
           "int block_size, int window, int n_head, int n_kv, bool neox, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
-          "Tensor? post_attn_norm, Tensor? post_ffw_norm, float q_scale, bool gelu) -> Tensor");
+          "Tensor? post_attn_norm, Tensor? post_ffw_norm, float q_scale, bool gelu, Tensor(c!)? k_scale=None, "
+          "Tensor(d!)? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {

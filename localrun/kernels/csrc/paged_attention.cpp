@@ -5,7 +5,8 @@
 //   q (T, H, hd); k, v (T, n_kv, hd): the rows' new keys and values, written first into the pools
 //   (num_blocks * block_size, n_kv, hd) at `slots` (T,), rounded to the pool's type as torch's
 //   .to() rounds (to nearest, ties to even). A quantized pool (int8, or fp8 bytes) comes with its
-//   scales (paged_kv.py's layouts) and its rows already written by the caller: k and v have 0 rows.
+//   scales (paged_kv.py's layouts) and its rows are quantized as paged_kv.py's stores do it (an
+//   int8 K block is requantized whole with its new rows, the rows of one sequence being consecutive).
 //   Row t then attends, as one query, over
 //   the first row_len[t] positions of sequence row_seq[t], whose position p lives in slot
 //   block_tables[row_seq[t], p / block_size] * block_size + p % block_size. window > 0 (a
@@ -50,6 +51,8 @@ struct RowArgs {
     const float* q;            // (heads, hd): the query heads of this row that share KV head g
     Pool k, v;
     void (*widen_f16)(float*, const uint16_t*, int64_t);   // n float16 values -> float32 (per ISA)
+    void (*widen_i8)(float*, const int8_t*, int64_t);      // n int8 codes -> float32
+    void (*widen_fp8)(float*, const uint8_t*, int64_t);    // n float8 e4m3fn codes -> float32
     const int64_t* table;      // this sequence's block table
     int64_t block_size, n_kv, g, hd, first, L, heads;
     float scale;
@@ -110,25 +113,16 @@ using F16 = Half16<WidenF16>;
 using BF16 = Half16<WidenBF16>;
 
 // Quantized pools (localrun/engine/paged_kv.py): value = code * scale, one float32 product, as
-// the store's read computes it. Codes: int8, or float8 e4m3fn bytes widened through a table.
-struct Int8Code { using E = int8_t; static float of(int8_t c) { return static_cast<float>(c); } };
-struct Fp8Code {
-    using E = uint8_t;
-    static float of(uint8_t c) {
-        static const std::array<float, 256> table = [] {
-            std::array<float, 256> t{};
-            for (int i = 0; i < 256; i++) t[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
-            return t;
-        }();
-        return table[c];
-    }
+// the store's read computes it. A row's codes are widened to float32 first (exactly, through the
+// kernel's ISA's converter), then scaled in place.
+struct Int8Code {
+    using E = int8_t;
+    ALWAYS_INLINE static void widen(const RowArgs& a, float* dst, const int8_t* src, int64_t n) { a.widen_i8(dst, src, n); }
 };
-
-typedef int8_t i8x8 __attribute__((vector_size(8)));
-
-// Eight codes times one scale, or times eight scales: exactly code * scale per value.
-ALWAYS_INLINE v8 codes8(const int8_t* p) { i8x8 c; std::memcpy(&c, p, sizeof c); return __builtin_convertvector(c, v8); }
-ALWAYS_INLINE v8 codes8(const uint8_t* p) { v8 v; for (int i = 0; i < 8; i++) v[i] = Fp8Code::of(p[i]); return v; }
+struct Fp8Code {                   // float8 e4m3fn bytes
+    using E = uint8_t;
+    ALWAYS_INLINE static void widen(const RowArgs& a, float* dst, const uint8_t* src, int64_t n) { a.widen_fp8(dst, src, n); }
+};
 
 template <typename Code>
 struct TokenScaled {               // one scale per `group` values of a token's head (group: 32, or hd)
@@ -138,16 +132,16 @@ struct TokenScaled {               // one scale per `group` values of a token's 
         const int64_t hd = a.hd, group = pool.group, groups = hd / group;
         for (int64_t r = 0; r < n; r++) {
             const int64_t at = (a.table[b] * a.block_size + off + r) * a.n_kv + a.g;
-            const E* src = static_cast<const E*>(pool.data) + at * hd;
             const float* sc = pool.scale + at * groups;
             float* dst = buf + r * hd;
+            Code::widen(a, dst, static_cast<const E*>(pool.data) + at * hd, hd);
             if (group % 8 == 0) {
                 for (int64_t gi = 0; gi < groups; gi++) {
                     const v8 s8 = splat8(sc[gi]);
-                    for (int64_t i = gi * group; i < (gi + 1) * group; i += 8) store8(dst + i, codes8(src + i) * s8);
+                    for (int64_t i = gi * group; i < (gi + 1) * group; i += 8) store8(dst + i, load8(dst + i) * s8);
                 }
             } else {
-                for (int64_t i = 0; i < hd; i++) dst[i] = Code::of(src[i]) * sc[i / group];
+                for (int64_t i = 0; i < hd; i++) dst[i] *= sc[i / group];
             }
         }
         stride = hd;
@@ -162,16 +156,55 @@ struct ChannelScaledInt8 {         // int8 with one scale per block per channel:
         const int64_t hd = a.hd;
         const float* sc = pool.scale + (a.table[b] * a.n_kv + a.g) * hd;
         for (int64_t r = 0; r < n; r++) {
-            const int8_t* src = static_cast<const int8_t*>(pool.data) + ((a.table[b] * a.block_size + off + r) * a.n_kv + a.g) * hd;
             float* dst = buf + r * hd;
+            a.widen_i8(dst, static_cast<const int8_t*>(pool.data) + ((a.table[b] * a.block_size + off + r) * a.n_kv + a.g) * hd, hd);
             int64_t i = 0;
-            for (; i + 8 <= hd; i += 8) store8(dst + i, codes8(src + i) * load8(sc + i));
-            for (; i < hd; i++) dst[i] = static_cast<float>(src[i]) * sc[i];
+            for (; i + 8 <= hd; i += 8) store8(dst + i, load8(dst + i) * load8(sc + i));
+            for (; i < hd; i++) dst[i] *= sc[i];
         }
         stride = hd;
         return buf;
     }
 };
+
+// int8 and float8 e4m3fn codes -> float32, exact. e4m3fn: sign, 4 exponent bits (bias 7), 3
+// mantissa bits; a normal code's bits move into a float's place with the exponent rebiased
+// (+120), a subnormal one (exponent 0) is mantissa x 2^-9, 0x7f/0xff are NaN (never written:
+// the stores scale values to at most 448).
+float fp8_value(uint8_t c) { return static_cast<float>(c10::Float8_e4m3fn(c, c10::Float8_e4m3fn::from_bits())); }
+
+__attribute__((target("avx2,fma"))) void widen_i8_avx2(float* dst, const int8_t* src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))));
+    for (; i < n; i++) dst[i] = src[i];
+}
+__attribute__((target("avx2,fma"))) void widen_fp8_avx2(float* dst, const uint8_t* src, int64_t n) {
+    int64_t i = 0;
+    const __m256i low7 = _mm256_set1_epi32(0x7f), exp_bits = _mm256_set1_epi32(0x78), mant = _mm256_set1_epi32(7);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+        const __m256i em = _mm256_and_si256(x, low7);
+        const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+        const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, mant)), _mm256_set1_ps(0x1p-9f));
+        const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, exp_bits), _mm256_setzero_si256()));
+        __m256 v = _mm256_blendv_ps(normal, sub, is_sub);
+        const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, low7));
+        v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), is_nan);
+        v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+        _mm256_storeu_ps(dst + i, v);
+    }
+    for (; i < n; i++) dst[i] = fp8_value(src[i]);
+}
+void widen_i8_base(float* dst, const int8_t* src, int64_t n) { for (int64_t i = 0; i < n; i++) dst[i] = src[i]; }
+void widen_fp8_base(float* dst, const uint8_t* src, int64_t n) {
+    static const std::array<float, 256> table = [] {
+        std::array<float, 256> t{};
+        for (int i = 0; i < 256; i++) t[i] = fp8_value(static_cast<uint8_t>(i));
+        return t;
+    }();
+    for (int64_t i = 0; i < n; i++) dst[i] = table[src[i]];
+}
 
 // The query heads of one row that share KV head g, over positions first..L-1: each key and
 // value row is read from memory once for all of them (grouped-query attention), and stays in
@@ -344,6 +377,8 @@ using RowKernel = void (*)(const RowArgs&, PoolType);
 struct Kernels {
     RowKernel attend;
     void (*widen_f16)(float*, const uint16_t*, int64_t);
+    void (*widen_i8)(float*, const int8_t*, int64_t);
+    void (*widen_fp8)(float*, const uint8_t*, int64_t);
 };
 
 // AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA forces a narrower kernel.
@@ -354,9 +389,10 @@ const Kernels& kernels() {
         __builtin_cpu_init();
         const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-        if (forced == "ref" || !avx2) return Kernels{&attend_base, &widen_f16_bits};
+        if (forced == "ref" || !avx2) return Kernels{&attend_base, &widen_f16_bits, &widen_i8_base, &widen_fp8_base};
         // every AVX2 CPU has F16C
-        return Kernels{avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2, &widen_f16_f16c};
+        return Kernels{avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2, &widen_f16_f16c, &widen_i8_avx2,
+                       &widen_fp8_avx2};
     }();
     return chosen;
 }
@@ -367,6 +403,95 @@ template <typename E>
 void write_rows(E* pool, const float* x, const int64_t* slots, int64_t T, int64_t row) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = static_cast<E>(x[t * row + i]);
+}
+
+// Quantized rows, written as paged_kv.py's stores write them (the reference; a test compares the
+// pools' bytes): a value over its scale, rounded to nearest even and clamped (int8) or cast (fp8).
+constexpr float MIN_SCALE = 1e-12f;     // paged_kv.MIN_SCALE: an all-zero vector still gets a scale
+
+// To nearest, ties to even, as torch.round (|x| < 2^22: the codes' range and far beyond), then
+// clamped as the stores clamp.
+ALWAYS_INLINE int8_t int8_code(float x) {
+    const float r = (x + 0x1.8p23f) - 0x1.8p23f;
+    return static_cast<int8_t>(static_cast<int>(std::min(std::max(r, -127.f), 127.f)));
+}
+
+// One int8 K block's columns c0..c0+w-1 requantized: `window` (bs, CH) gets its earlier tokens
+// (rows before off, code x scale), the n new rows x (stride `row`), zeros after; then each
+// column's scale and codes. Compiled for AVX2 and the baseline (loops the compiler vectorizes;
+// every operation is exact or correctly rounded, so both give the same bits).
+__attribute__((target_clones("avx2", "default")))
+void requantize_columns(int8_t* blk, float* sc, const float* x, float* window, int64_t off, int64_t n, int64_t bs,
+                        int64_t row, int64_t w, int64_t CH) {
+    for (int64_t r = 0; r < bs; r++) {
+        float* wr = window + r * CH;
+        if (r < off) for (int64_t c = 0; c < w; c++) wr[c] = static_cast<float>(blk[r * row + c]) * sc[c];
+        else if (r < off + n) for (int64_t c = 0; c < w; c++) wr[c] = x[(r - off) * row + c];
+        else for (int64_t c = 0; c < w; c++) wr[c] = 0.f;
+    }
+    float amax[64];
+    for (int64_t c = 0; c < w; c++) amax[c] = 0.f;
+    for (int64_t r = 0; r < bs; r++)
+        for (int64_t c = 0; c < w; c++) amax[c] = std::max(amax[c], std::fabs(window[r * CH + c]));
+    for (int64_t c = 0; c < w; c++) sc[c] = std::max(amax[c] / 127.f, MIN_SCALE);
+    for (int64_t r = 0; r < bs; r++)
+        for (int64_t c = 0; c < w; c++) blk[r * row + c] = int8_code(window[r * CH + c] / sc[c]);
+}
+
+// One scale per `group` values of a token's head (TokenScaledStore): int8 or fp8 codes.
+template <bool FP8>
+void write_token_scaled(void* data, float* scale, int64_t group, const float* x, const int64_t* slots, int64_t T,
+                        int64_t n_kv, int64_t hd) {
+    const float qmax = FP8 ? 448.f : 127.f;      // float8_e4m3fn's largest finite value, or int8's
+    const int64_t groups = n_kv * hd / group;     // scales per token
+    at::parallel_for(0, T * groups, 64, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t t = i / groups, gi = i % groups, at_ = slots[t] * groups + gi;
+            const float* src = x + t * groups * group + gi * group;
+            float amax = 0.f;
+            for (int64_t j = 0; j < group; j++) amax = std::max(amax, std::fabs(src[j]));
+            const float s = std::max(amax / qmax, MIN_SCALE);
+            scale[at_] = s;
+            if (FP8) {
+                uint8_t* dst = static_cast<uint8_t*>(data) + at_ * group;
+                for (int64_t j = 0; j < group; j++) dst[j] = c10::Float8_e4m3fn(src[j] / s).x;
+            } else {
+                int8_t* dst = static_cast<int8_t*>(data) + at_ * group;
+                for (int64_t j = 0; j < group; j++) dst[j] = int8_code(src[j] / s);
+            }
+        }
+    });
+}
+
+// int8 with one scale per block per channel (ChannelScaledStore): each block a row lands in is
+// requantized whole: its earlier tokens (code x scale), the sequence's new rows in it, zeros
+// after; the scale is the block's largest |value| per channel over 127. Rows of one sequence are
+// consecutive in a call, so the rows landing in one block are a run of rows.
+void write_channel_scaled(int8_t* data, float* scale, const float* x, const int64_t* slots, const int64_t* row_seq,
+                          int64_t T, int64_t n_kv, int64_t hd, int64_t bs) {
+    const int64_t row = n_kv * hd;
+    std::vector<std::array<int64_t, 2>> runs;          // [first row, end row) per block written
+    for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+        for (t1 = t0 + 1; t1 < T && row_seq[t1] == row_seq[t0] && slots[t1] == slots[t1 - 1] + 1 &&
+                          slots[t1] / bs == slots[t0] / bs; t1++) {}
+        runs.push_back({t0, t1});
+    }
+    for (size_t a = 0; a < runs.size(); a++)
+        for (size_t b = a + 1; b < runs.size(); b++)
+            TORCH_CHECK(slots[runs[a][0]] / bs != slots[runs[b][0]] / bs,
+                        "localrun::paged_attention: two sequences' rows write one int8 K block");
+    // tasks: (run, channel chunk); a channel's scale depends on its own column only
+    constexpr int64_t CH = 64;
+    const int64_t chunks = (row + CH - 1) / CH;
+    at::parallel_for(0, (int64_t)runs.size() * chunks, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> window(bs * CH);
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t t0 = runs[i / chunks][0], n = runs[i / chunks][1] - t0;
+            const int64_t c0 = i % chunks * CH, b = slots[t0] / bs;
+            requantize_columns(data + b * bs * row + c0, scale + b * row + c0, x + t0 * row + c0, window.data(),
+                               slots[t0] % bs, n, bs, row, std::min(CH, row - c0), CH);
+        }
+    });
 }
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_pool,
@@ -391,9 +516,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     for (const at::Tensor* t : {&slots, &tables, &row_seq, &row_len})
         TORCH_CHECK(t->scalar_type() == at::kLong, "localrun::paged_attention: index tensors must be int64");
     const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), n_kv = k_pool.size(1);
-    // quantized pools: the caller writes the rows first (their scales are the store's), k and v have 0 rows
-    TORCH_CHECK(k.size(0) == (quantized ? 0 : T) && k.size(1) == n_kv && k.size(2) == hd && H % n_kv == 0 &&
-                k_pool.size(2) == hd, "localrun::paged_attention: shapes disagree (k and v: T rows, or 0 for quantized pools)");
+    TORCH_CHECK(k.size(0) == T && k.size(1) == n_kv && k.size(2) == hd && H % n_kv == 0 && k_pool.size(2) == hd,
+                "localrun::paged_attention: shapes disagree");
     TORCH_CHECK(window >= 0, "localrun::paged_attention: window must be >= 0");
     TORCH_CHECK(slots.numel() == T && row_seq.numel() == T && row_len.numel() == T && tables.dim() == 2,
                 "localrun::paged_attention: one slot, sequence and length per row");
@@ -403,7 +527,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     at::Tensor k_scale, v_scale;
     int64_t k_group = 0, v_group = 0;
     if (quantized) {
-        k_scale = k_scale_in->contiguous(), v_scale = v_scale_in->contiguous();
+        k_scale = *k_scale_in, v_scale = *v_scale_in;      // written in place with the rows
+        TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous(), "localrun::paged_attention: scales must be contiguous");
         const auto token_group = [&](const at::Tensor& s) {      // (slots, n_kv, hd / group)
             TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == num_slots && s.size(1) == n_kv &&
                         s.size(2) >= 1 && hd % s.size(2) == 0, "localrun::paged_attention: per-token scales (slots, n_kv, hd / group)");
@@ -423,8 +548,14 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                     "localrun::paged_attention: row ", t, " reaches past its block table");
     }
     // writes first: later rows read earlier ones; 16-bit pools round as torch's .to() does
-    if (!quantized) {
-        const float *kn = k.data_ptr<float>(), *vn = v.data_ptr<float>();
+    const float *kn = k.data_ptr<float>(), *vn = v.data_ptr<float>();
+    if (type == PoolType::INT8) {
+        write_channel_scaled(k_pool.data_ptr<int8_t>(), k_scale.data_ptr<float>(), kn, sp, seqp, T, n_kv, hd, block_size);
+        write_token_scaled<false>(v_pool.data_ptr(), v_scale.data_ptr<float>(), v_group, vn, sp, T, n_kv, hd);
+    } else if (type == PoolType::FP8) {
+        write_token_scaled<true>(k_pool.data_ptr(), k_scale.data_ptr<float>(), k_group, kn, sp, T, n_kv, hd);
+        write_token_scaled<true>(v_pool.data_ptr(), v_scale.data_ptr<float>(), v_group, vn, sp, T, n_kv, hd);
+    } else {
         if (type == PoolType::F32) {
             write_rows(k_pool.data_ptr<float>(), kn, sp, T, row_bytes);
             write_rows(v_pool.data_ptr<float>(), vn, sp, T, row_bytes);
@@ -481,7 +612,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
             scratch.resize(heads * (task.end - task.first + 8 + hd) + block_size * hd);
             float* dst = task.part < 0 ? op + (t * H + h0) * hd : partial.data() + (task.part * H + h0) * hd;
             float* dst_ml = task.part < 0 ? nullptr : ml.data() + (task.part * H + h0) * 2;
-            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, tp + seqp[t] * max_blocks, block_size,
+            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8, chosen.widen_fp8,
+                               tp + seqp[t] * max_blocks, block_size,
                                n_kv, g, hd, task.first, task.end, heads, scale, scratch.data(), dst, dst_ml};
             chosen.attend(args, type);
         }
@@ -518,7 +650,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
           "Tensor block_tables, Tensor row_seq, Tensor row_len, int block_size, int window=0, "
-          "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+          "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
