@@ -72,10 +72,16 @@ def workload_parser(description: str, ctx: int) -> argparse.ArgumentParser:
     return ap
 
 
+def itl_flags(itl_target_ms: float | None) -> list[str]:
+    return [] if itl_target_ms is None else ["--itl-target-ms", str(itl_target_ms)]
+
+
 def main() -> None:
     ap = workload_parser(__doc__.split("\n\n")[0], ctx=2048)
     ap.add_argument("--parallel", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--itl-target-ms", type=float, default=None, help="localrun serve's --itl-target-ms "
+                    "(default: the server's own default)")
     ap.add_argument("--skip-peer", action="store_true")
     args = ap.parse_args()
 
@@ -84,7 +90,7 @@ def main() -> None:
     rows = {}
     with localrun_server(str(model_path), "--threads", str(args.threads), "--ctx", str(args.ctx),
                          "--parallel", str(args.parallel), "--max-batched-tokens", str(args.max_batched_tokens),
-                         "--no-disk-cache") as url:
+                         "--no-disk-cache", *itl_flags(args.itl_target_ms)) as url:
         rows["localrun"] = measure(url, requests, None, ignore_eos=True)
     if not args.skip_peer:
         with llama_cpp_server(str(model_path), n_threads=args.threads, n_ctx=args.ctx) as url:
@@ -96,7 +102,8 @@ def main() -> None:
               f"{r['output_tok_s']:>7.1f} {r['wall_s']:>5.1f}s {r['errors']}")
     out = {"cpu": cpu_info(), "scenario": {"requests": args.requests, "prefix_tokens": args.prefix_tokens,
                         "output_tokens": args.output_tokens, "threads": args.threads,
-                        "parallel": args.parallel, "max_batched_tokens": args.max_batched_tokens},
+                        "parallel": args.parallel, "max_batched_tokens": args.max_batched_tokens,
+                        "itl_target_ms": args.itl_target_ms},
            **rows}
     if "llama_cpp" in rows:
         peer, ours = rows["llama_cpp"], rows["localrun"]

@@ -576,7 +576,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const int64_t group = H / n_kv;
     const Kernels& chosen = kernels();
     // Tasks: (row, KV head, chunk of positions, slice of its query heads). A row over more than
-    // CHUNK positions is split into chunks of CHUNK from its first position on (flash-decoding),
+    // CHUNK positions is split into equal chunks of at most CHUNK (flash-decoding),
     // so that one long row keeps every thread reading different keys; the chunks' partial outputs
     // are merged in chunk order. The chunks depend on the row alone, so a row's bits do not
     // depend on what else is in the call. The heads of a KV head stay in one task unless there
@@ -591,11 +591,12 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
         for (int64_t b = first / block_size; b <= (L - 1) / block_size; b++)
             TORCH_CHECK(table[b] >= 0 && (table[b] + 1) * block_size <= num_slots,
                         "localrun::paged_attention: block table entry out of range");
-        const int64_t chunks = (L - first + CHUNK - 1) / CHUNK;
+        // chunks of equal size (at most CHUNK), so that one row's tasks take equal time on the threads
+        const int64_t chunks = (L - first + CHUNK - 1) / CHUNK, size = (L - first + chunks - 1) / chunks;
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t part = chunks > 1 ? (int64_t)part_row.size() : -1;
             if (chunks > 1) part_row.push_back(t);
-            for (int64_t g = 0; g < n_kv; g++) tasks.push_back({t, g, first + c * CHUNK, std::min(L, first + (c + 1) * CHUNK), part});
+            for (int64_t g = 0; g < n_kv; g++) tasks.push_back({t, g, first + c * size, std::min(L, first + (c + 1) * size), part});
         }
     }
     const int64_t want = 2 * at::get_num_threads(), pairs = (int64_t)tasks.size();
