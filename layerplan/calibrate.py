@@ -10,10 +10,13 @@ over PCIe from pinned memory. Results are stored as JSON under $LOCALRUN_HOME/la
 fingerprint of the machine (CPU model and flags, cores, RAM, GPUs and driver, localrun's version),
 and ignored when the fingerprint no longer matches.
 
-Timings taken while other work runs describe that moment, not the machine: the 1-minute load
-average is recorded before and after measuring, and a calibration that started with more than
-QUIET_LOAD runnable tasks (or ended with more than our own threads on top of that) is `suspect`:
-`save` refuses it and the caller says so in one line.
+Timings taken while other work runs describe that moment, not the machine. Measuring waits (a
+bounded time) until other processes leave the CPU, then records how many cores they kept busy
+while it ran (layerplan.quiet: the machine's busy time less ours); a calibration during which they
+used more than quiet.QUIET_CORES on average is `suspect`: `save` refuses it and the caller says so
+in one line. Where that cannot be measured (no /proc/stat) the 1-minute load average decides: more
+than QUIET_LOAD runnable tasks when measuring began, or more than our own threads on top of that
+when it ended. The load average is recorded either way.
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from layerplan import quiet
 from layerplan.devices import Device, Machine
 
 CALIBRATION_FILE = "calibration.json"
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
+QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,15 @@ class Calibration:
     load_before: float = 0.0         # 1-minute load average when measuring began
     load_after: float = 0.0          # and when it ended (our own threads included)
     suspect: bool = False            # taken with other work on the CPU: not saved, not to be trusted
+    host_decode_flops: float | None = None       # matmul flop/s of decode rows (engine calibration)
+    host_unpack_bandwidth: float | None = None   # bytes/s a prompt step unpacks weights at (engine calibration)
+    host_attention_flops: float | None = None    # flop/s of attention over the cache (engine calibration)
+    other_cpu: float | None = None   # cores other processes kept busy while measuring (None: not measurable)
 
     @property
     def load_note(self) -> str:
-        return (f"1-minute load {self.load_before:.1f} before and {self.load_after:.1f} after measuring, "
+        others = "" if self.other_cpu is None else f"other processes used {self.other_cpu:.2f} cores while measuring; "
+        return (f"{others}1-minute load {self.load_before:.1f} before and {self.load_after:.1f} after measuring, "
                 f"on {os.cpu_count()} CPUs")
 
 
@@ -132,9 +142,12 @@ def load_average() -> float:
         return 0.0
 
 
-def is_suspect(load_before: float, load_after: float, threads: int) -> bool:
-    """Other work ran while measuring: more than QUIET_LOAD tasks before we began, or more than our
-    own `threads` (plus QUIET_LOAD) by the end."""
+def is_suspect(load_before: float, load_after: float, threads: int, other_cpu: float | None = None) -> bool:
+    """Other work ran while measuring: other processes kept more than quiet.QUIET_CORES cores busy
+    on average (when that was measured), else more than QUIET_LOAD tasks before we began, or more
+    than our own `threads` (plus QUIET_LOAD) by the end."""
+    if other_cpu is not None:
+        return other_cpu > quiet.QUIET_CORES
     return load_before > QUIET_LOAD or load_after > threads + QUIET_LOAD
 
 
@@ -286,13 +299,14 @@ def measure_gpus(repeats: int = 5) -> tuple[GPUCalibration, ...]:
 def measure(machine: Machine, dtype: str = "f32", threads: int | None = None) -> Calibration:
     """Measure this machine: the host in `dtype`, and its CUDA GPUs when a CUDA torch is installed;
     the load average before and after decides whether the result is `suspect`."""
-    before = load_average()
+    quiet.wait_until_quiet(QUIET_WAIT_S)
+    before, others = load_average(), quiet.OtherCPU()
     host = measure_host(dtype, threads)
     gpus = measure_gpus()
-    after = load_average()
+    after, other_cpu = load_average(), others.cores()
     return Calibration(fingerprint=fingerprint(machine), **host, gpus=gpus,
                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), load_before=before, load_after=after,
-                       suspect=is_suspect(before, after, host.get("threads") or 1))
+                       other_cpu=other_cpu, suspect=is_suspect(before, after, host.get("threads") or 1, other_cpu))
 
 
 def save(calibration: Calibration, cache_dir: Path | None = None) -> Path | None:
@@ -335,6 +349,9 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                                      else calibration.host_layer_overhead_s),
                    step_overhead_s=calibration.host_step_overhead_s or 0.0,
                    kv_bandwidth=calibration.host_kv_bandwidth or 0.0,
+                   decode_flops=calibration.host_decode_flops or 0.0,
+                   unpack_bandwidth=calibration.host_unpack_bandwidth or 0.0,
+                   attention_flops=calibration.host_attention_flops or 0.0,
                    source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
                            + (", suspect: taken under load" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

@@ -12,13 +12,18 @@ class Device:
     total_bytes: int
     free_bytes: int                # what a plan may use before the margin
     memory_bandwidth: float        # bytes/s a decode step really reads at (not the datasheet peak)
-    compute_flops: float           # matmul flop/s in the compute dtype, achievable
+    compute_flops: float           # matmul flop/s in the compute dtype, achievable (prompt chunks: big batches)
     link_bandwidth: float = 0.0    # host <-> device bytes/s (PCIe); 0 for the host
     link_latency_s: float = 10e-6  # per transfer across the link
     layer_overhead_s: float = 0.0  # fixed cost per layer per step besides its matmuls (norms, rope, dispatch)
     matmul_overhead_s: float = 0.0 # fixed cost of one matmul call (kernel launch, primitive set-up)
     step_overhead_s: float = 0.0   # host only: fixed cost of one forward step (embedding, sampling, Python)
     kv_bandwidth: float = 0.0      # bytes/s attention reads the KV cache at; 0: memory_bandwidth
+    decode_flops: float = 0.0      # matmul flop/s over the few rows of a decode step (and the output head),
+                                   # whose kernels compute row by row; 0: compute_flops
+    unpack_bandwidth: float = 0.0  # bytes/s at which a prompt step unpacks quantized weights for its GEMM
+                                   # (once per step, whatever its size); 0: weights are not unpacked
+    attention_flops: float = 0.0   # flop/s of attention over the cache (what prompt steps are bound by); 0: compute_flops
     source: str = "preset"         # where the figures come from: nvml, torch, preset, --vram, psutil, measured
     index: int | None = None       # the CUDA device index, for GPUs found on this machine
 

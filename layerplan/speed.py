@@ -5,6 +5,14 @@ its matmuls, the same again for its attention over the KV cache (on the device t
 that cache), plus a fixed per-layer overhead. Each time the activations cross between devices
 they pay the link's latency and bytes / link bandwidth. Decode reads every weight once per
 step for all n_parallel sequences together; prefill reads them once per ubatch.
+
+A device may compute the few rows of a decode step at another rate than a prompt chunk
+(`decode_flops`: row-by-row kernels against a big GEMM), may unpack its quantized weights
+once per prompt step for that GEMM (`unpack_bandwidth`): a fixed cost per step that makes
+bigger prompt steps cheaper per token, and may compute attention at its own rate
+(`attention_flops`). Prompts that arrive together (`prompts_together`) are
+prefilled in shared steps of up to n_ubatch tokens, first come first served, as localrun's
+scheduler and llama.cpp's server batch them.
 """
 from __future__ import annotations
 
@@ -24,15 +32,12 @@ OP_OFFLOAD_MIN_BATCH = 32  # llama.cpp runs host-resident matmuls of a batch thi
 class Predicted:
     decode_tok_s: float          # tokens/s each sequence sees while n_parallel sequences decode together
     decode_tok_s_total: float    # tokens/s summed over the n_parallel sequences
-    prefill_tok_s: float         # prompt tokens/s of one prompt of prompt_tokens
-    ttft_s: float                # time to first token of that prompt, on an idle runner
+    prefill_tok_s: float         # prompt tokens/s of prompts_together prompts of prompt_tokens (default one)
+    ttft_s: float                # time until each of them has its first token, on an idle runner
     prompt_tokens: int
     decode_context: int          # tokens already in each sequence's cache at the decode figure
     decode_s_by_device: tuple[float, ...]  # one decode step's time spent on each device (machine order)
-
-
-def _roofline(device: Device, n_bytes: float, flops: float) -> float:
-    return max(n_bytes / device.memory_bandwidth, flops / device.compute_flops)
+    prompts_together: int = 1    # prompts of prompt_tokens prefilled together in the prefill figures
 
 
 def _active_fraction(profile: ModelProfile, n_tokens: int) -> float:
@@ -89,7 +94,8 @@ def _transfer_s(a: Device, b: Device, n_bytes: float) -> float:
 
 
 class _Step:
-    """Time of one forward step (n_queries new tokens for each of n_sequences) over a placement."""
+    """Time of one forward step over a placement: for each sequence in it, n_queries new tokens
+    against n_cached cached ones (the mean over the new tokens, for causal prefill)."""
 
     def __init__(self, profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings):
         self.profile, self.placement, self.settings = profile, placement, settings
@@ -98,8 +104,15 @@ class _Step:
         self.op_offload_gpu = machine.gpus[0] if machine.gpus else None
 
     def seconds(self, n_queries: int, n_cached: float, n_sequences: int, n_logits: int) -> tuple[float, list[float]]:
+        """A step of n_sequences alike sequences: decode when n_queries is 1, else prompt chunks."""
+        return self.entries_seconds(((n_queries, n_cached),) * n_sequences, n_logits, decode=n_queries == 1)
+
+    def entries_seconds(self, entries: tuple[tuple[int, float], ...], n_logits: int,
+                        decode: bool) -> tuple[float, list[float]]:
+        """A step of (n_queries, n_cached) per sequence; decode: its rows are decode rows (one new
+        token per sequence, through the device's decode kernels), else prompt chunks."""
         profile, placement, devices = self.profile, self.placement, self.devices
-        n_tokens = n_queries * n_sequences
+        n_tokens = sum(q for q, _ in entries)
         per_device = [0.0] * len(devices)
         host = devices[-1]
         previous = host  # the token embedding lookup runs in host memory
@@ -108,18 +121,21 @@ class _Step:
             per_device[placement.layer_devices[il]] += _transfer_s(previous, device, n_tokens * profile.d_model * F32)
             expert_index = placement.expert_device(il)
             if expert_index == placement.layer_devices[il]:
-                matmul_s = self._matmul_s(device, *_matmul(profile, layer, n_tokens), n_tokens)
+                matmul_s = self._matmul_s(device, *_matmul(profile, layer, n_tokens), n_tokens, decode)
             else:  # --n-cpu-moe: the routed experts run where they live, the activations go there and back
                 expert_device = devices[expert_index]
-                matmul_s = self._matmul_s(device, *_dense_matmul(layer, n_tokens), n_tokens)
-                expert_s = (self._matmul_s(expert_device, *_expert_matmul(profile, layer, n_tokens), n_tokens)
+                matmul_s = self._matmul_s(device, *_dense_matmul(layer, n_tokens), n_tokens, decode)
+                expert_s = (self._matmul_s(expert_device, *_expert_matmul(profile, layer, n_tokens), n_tokens, decode)
                             + 2 * _transfer_s(device, expert_device, n_tokens * profile.d_model * F32)
                             + layer.n_expert_matmuls * expert_device.matmul_overhead_s)
                 per_device[expert_index] += expert_s
                 matmul_s -= layer.n_expert_matmuls * device.matmul_overhead_s  # counted where they run
-            a_bytes, a_flops = _attention(layer, self.kv_per_token[il], n_queries, n_cached, n_sequences)
+            a_bytes = a_flops = 0.0
+            for n_queries, n_cached in entries:
+                b, f = _attention(layer, self.kv_per_token[il], n_queries, n_cached, 1)
+                a_bytes, a_flops = a_bytes + b, a_flops + f
             attention_s = max(a_bytes / (kv_device.kv_bandwidth or kv_device.memory_bandwidth),
-                              a_flops / kv_device.compute_flops)
+                              a_flops / (kv_device.attention_flops or kv_device.compute_flops))
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
                 q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
                 attention_s += 2 * _transfer_s(device, kv_device, n_tokens * q_kv_dims * F32)
@@ -127,48 +143,88 @@ class _Step:
             per_device[placement.layer_devices[il]] += matmul_s + device.layer_overhead_s
             per_device[placement.kv_devices[il]] += attention_s
             previous = device
-        if n_logits:  # the output head runs only for the positions whose logits are wanted
+        if n_logits:  # the output head runs only for the positions whose logits are wanted (rows, like decode)
             head = devices[placement.head_device]
             per_device[placement.head_device] += (
                 _transfer_s(previous, head, n_logits * profile.d_model * F32)
-                + _roofline(head, profile.head_bytes, 2 * n_logits * profile.head_params) + head.matmul_overhead_s
-                + _transfer_s(head, host, n_logits * profile.n_vocab * F32))
+                + max(profile.head_bytes / head.memory_bandwidth,
+                      2 * n_logits * profile.head_params / (head.decode_flops or head.compute_flops))
+                + head.matmul_overhead_s + _transfer_s(head, host, n_logits * profile.n_vocab * F32))
         else:
             per_device[-1] += _transfer_s(previous, host, 0)
         per_device[-1] += host.step_overhead_s
         return sum(per_device), per_device
 
-    def _matmul_s(self, device: Device, w_bytes: float, w_flops: float, n_tokens: int) -> float:
-        """Roofline of matmuls on `device`; a big batch of host-resident matmuls runs on the GPU with
+    def _matmul_s(self, device: Device, w_bytes: float, w_flops: float, n_tokens: int, decode: bool) -> float:
+        """Roofline of matmuls on `device` (decode rows at its decode rate; a prompt chunk at its GEMM
+        rate after unpacking the weights); a big batch of host-resident matmuls runs on the GPU with
         its weights streamed over PCIe when that is faster, as llama.cpp does."""
-        seconds = _roofline(device, w_bytes, w_flops)
+        rate = (device.decode_flops or device.compute_flops) if decode else device.compute_flops
+        seconds = max(w_bytes / device.memory_bandwidth, w_flops / rate)
+        if not decode and device.unpack_bandwidth:
+            seconds += w_bytes / device.unpack_bandwidth
         if device.kind == "cpu" and self.op_offload_gpu and n_tokens >= OP_OFFLOAD_MIN_BATCH:
             gpu = self.op_offload_gpu
             seconds = min(seconds, w_bytes / gpu.link_bandwidth + w_flops / gpu.compute_flops)
         return seconds
 
 
+def step_seconds(profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings,
+                 entries: tuple[tuple[int, float], ...], *, n_logits: int, decode: bool) -> float:
+    """Predicted seconds of one forward step: (n_queries, n_cached) for each sequence in it; decode:
+    one new token per sequence (decode rows), else prompt chunks; n_logits rows through the head."""
+    return _Step(profile, machine, placement, settings).entries_seconds(tuple(entries), n_logits, decode)[0]
+
+
+def chunk_keys(n_cached: int, n_new: int) -> float:
+    """Keys each of a prompt chunk's n_new tokens is attended over, on average, as the runtime
+    computes it: from an empty cache a causal kernel skips the masked half (n_new / 2); after
+    n_cached cached tokens a masked kernel computes every key up to the chunk's end for every new
+    token (n_cached + n_new). This is localrun's engine (sdpa with is_causal, else with a mask: a
+    1024-token chunk after 1024 cached costs what 1.5x its causal share would), and llama.cpp's
+    without flash attention."""
+    return n_new / 2 if n_cached == 0 else n_cached + n_new
+
+
+def prefill_steps(prompt_tokens: int, prompts_together: int, n_ubatch: int) -> list[tuple[tuple[tuple[int, float], ...], int]]:
+    """The prompt steps that prefill `prompts_together` prompts of prompt_tokens arriving together:
+    each step takes up to n_ubatch tokens, the oldest prompt first (a prompt's chunks in order).
+    Each step is ((n_queries, keys per query: chunk_keys) per prompt in it, number of prompts it finishes)."""
+    done = [0] * prompts_together
+    steps = []
+    while done[-1] < prompt_tokens:
+        budget, entries, finished = n_ubatch, [], 0
+        for i in range(prompts_together):
+            if budget == 0:
+                break
+            take = min(prompt_tokens - done[i], budget)
+            if take <= 0:
+                continue
+            entries.append((take, chunk_keys(done[i], take)))
+            done[i] += take
+            budget -= take
+            finished += done[i] == prompt_tokens
+        steps.append((tuple(entries), finished))
+    return steps
+
+
 def predict(profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings, *,
-            prompt_tokens: int = 512, decode_context: int | None = None) -> Predicted:
+            prompt_tokens: int = 512, decode_context: int | None = None, prompts_together: int = 1) -> Predicted:
     """Predicted speeds of `placement`. Decode is for n_parallel sequences each holding
     `decode_context` tokens (default: half the context, the mean over filling it); prefill and
-    TTFT are for one prompt of `prompt_tokens` on an otherwise idle runner."""
+    TTFT are for `prompts_together` prompts of `prompt_tokens` (default one) arriving together at
+    an otherwise idle runner, prefilled in steps of up to n_ubatch tokens."""
     step = _Step(profile, machine, placement, settings)
     n_seq = settings.n_parallel
     decode_context = settings.n_ctx // 2 if decode_context is None else decode_context
     decode_s, by_device = step.seconds(1, decode_context, n_seq, n_logits=n_seq)
 
     prompt_tokens = max(1, min(prompt_tokens, settings.n_ctx))
-    prefill_s, done = 0.0, 0
-    while done < prompt_tokens:
-        chunk = min(settings.n_ubatch, prompt_tokens - done)
-        last = done + chunk == prompt_tokens
-        seconds, _ = step.seconds(chunk, done + chunk / 2, 1, n_logits=1 if last else 0)
-        prefill_s += seconds
-        done += chunk
+    prefill_s = sum(step.entries_seconds(entries, n_logits, decode=False)[0]
+                    for entries, n_logits in prefill_steps(prompt_tokens, prompts_together, settings.n_ubatch))
     return Predicted(
         decode_tok_s=1.0 / decode_s, decode_tok_s_total=n_seq / decode_s,
-        prefill_tok_s=prompt_tokens / prefill_s, ttft_s=prefill_s,
+        prefill_tok_s=prompts_together * prompt_tokens / prefill_s, ttft_s=prefill_s,
         prompt_tokens=prompt_tokens, decode_context=decode_context,
-        decode_s_by_device=tuple(by_device),
+        decode_s_by_device=tuple(by_device), prompts_together=prompts_together,
     )

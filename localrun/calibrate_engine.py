@@ -1,91 +1,225 @@
 """Calibrate layerplan's speed model with localrun's engine itself (torch side of `--measure`).
 
-layerplan's micro-benchmarks time matrix-vector products; the engine's real per-layer work is
-more: fused matmuls through localrun's in-place kernels, norms, RoPE, attention over the cache,
-and the Python around ~240 calls per token. So this builds the model of a GGUF file the way the
-engine builds it (`localrun.LLM`: weights held as the engine holds them, the paged KV cache, the
-scheduler) and times, at two depths of the same stack (its first n1 layers, then all of them,
-each with the output head), the prefill of a SHORT_FILL-token prompt and the decode steps after
-it; then the whole stack's decode after a LONG_FILL-token prompt. A straight line through the two
-depths gives the cost of one layer (the slope) and of everything per step that is not a layer
-(the intercept: embedding, output head, sampling, Python); the two fills give what one cached
-token costs a layer's attention. With the host's measured bandwidth and matmul overhead these
-become layerplan's per-layer fixed cost, per-step overhead, prefill throughput and the
-bandwidth attention reads the KV cache at.
+layerplan's micro-benchmarks time matrix-vector products; the engine's real work is more: fused
+matmuls through localrun's in-place kernels (decode rows one at a time in integer dot products,
+prompt chunks through a GEMM on weights unpacked once per step), norms, RoPE, attention over the
+paged cache, sampling, and the Python around ~240 calls per step. So this builds the model of a
+GGUF file the way the engine builds it (`localrun.LLM`, at the thread count it will run with) and
+times the engine's own steps (`engine.step()`, one by one):
+
+- decode steps of one sequence at a short cache fill, through the model's first layers (and its
+  head) and through all of them;
+- decode steps of BATCH sequences at the short fill and at a long one;
+- the single prompt step of a short and of a long prompt from an empty cache, and of the long
+  prompt's tokens again after as many cached ones (a prefix-cache hit), for attention.
+
+layerplan.engine_fit finds the host figures (per-layer and per-step overhead, decode and prompt
+flop/s, the unpacking of weights per prompt step, attention's bandwidth and flop/s) that make the
+speed model reproduce these timings.
+
+Timings that meet other work describe that moment, not the machine: each is taken several times
+(DECODE_REPEATS, PREFILL_REPEATS), each after waiting (a bounded time) for other processes to leave
+the CPU, with the cores they used meanwhile recorded (layerplan.quiet). The fastest quiet repeat
+counts (other work only ever adds time); a timing without one makes the calibration suspect. A
+decode timing is the median of its steps, so one late step (a page fault, a garbage collection)
+does not move it. Prompt steps vary more than decode steps: they allocate the unpacked weights
+afresh, and whether the allocator hands back pages it kept or takes fresh ones from the kernel
+(~100k page faults, +100-130 ms a step for SmolLM2) differs from step to step and process to
+process; so they get more repeats, and the fastest is the step without that cost. A warm-up runs first in every engine, so
+first-touch costs (weights paged in, kernels set up) are not timed.
 """
 from __future__ import annotations
 
+import itertools
+import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up), w2
-SHORT_FILL, LONG_FILL = 256, 2048   # cache fills of the two decode timings of the whole stack
-PREFILL_TOKENS = 256
-DECODE_STEPS = 24
-KV_BYTES_PER_VALUE = 2        # the engine's default KV pool for a float32 model: f16
+SHORT_FILL, LONG_FILL = 32, 1024   # prompt tokens before the timed decode steps (capped at half the trained context)
+BATCH = 4                     # sequences in the batched decode timings
+PROMPT_SIZES = (128, 1024)    # the two prompts whose single prefill step is timed
+DECODE_STEPS = 24             # tokens generated per decode timing
+DECODE_REPEATS = 3            # quiet repeats per timing; the fastest counts
+PREFILL_REPEATS = 8
+QUIET_WAIT_S = 20.0           # the longest one repeat waits for other processes to leave the CPU
+
+_request_ids = itertools.count()
 
 
-def _time_engine(path, n_layers: int | None, prompt_tokens: int, threads: int | None) -> tuple[float, float]:
-    """(seconds per decode step, seconds of the prompt's prefill) of the engine running the
-    model's first n_layers layers (None: all) on one sequence of prompt_tokens."""
-    import localrun
-    from localrun.engine.draft_model import self_draft
-
-    llm = localrun.LLM(path, n_ctx=prompt_tokens + DECODE_STEPS + 8, n_parallel=1, n_threads=threads)
-    if n_layers is not None and n_layers < llm.config.n_layers:
-        llm.model = self_draft(llm.model, n_layers)   # before the engine is built from it
-    n_vocab = llm.config.n_vocab
-    llm.generate([[(5 * i + 3) % n_vocab for i in range(32)]], max_tokens=4, ignore_eos=True)   # warm-up
-    ids = [(7 * i + 11) % n_vocab for i in range(prompt_tokens)]
-    timings = llm.generate([ids], max_tokens=DECODE_STEPS, ignore_eos=True)[0].timings
-    return 1.0 / timings["decode_tok_s"], timings["prefill_s"]
+@dataclass(frozen=True)
+class StepTime:
+    prompt_tokens: int    # prompt tokens the step computed
+    decode_rows: int      # sequences that decoded a token in it
+    seconds: float        # wall time of engine.step()
+    page_faults: int = 0  # minor page faults of this process during it (fresh pages the allocator took from the OS)
 
 
-def fit_engine(depths: tuple[int, int], decode_s: tuple[float, float], prefill_s: tuple[float, float],
-               fills: tuple[int, int], full_decode_s: tuple[float, float]) -> dict:
-    """Per-layer and per-step seconds from the two depths (decode and prefill: slope and
-    intercept), and the seconds one cached token costs a layer's decode attention from the
-    whole stack's decode at two cache fills."""
-    (n1, n2), (d1, d2), (p1, p2), (f1, f2), (a1, a2) = depths, decode_s, prefill_s, fills, full_decode_s
-    layer_decode = max(0.0, (d2 - d1) / (n2 - n1))
-    layer_prefill = max(0.0, (p2 - p1) / (n2 - n1))
-    return {"decode_layer_s": layer_decode, "decode_step_s": max(0.0, d1 - n1 * layer_decode),
-            "prefill_layer_s": layer_prefill, "prefill_step_s": max(0.0, p1 - n1 * layer_prefill),
-            "cached_token_layer_s": max(0.0, (a2 - a1) / (n2 * (f2 - f1)))}
+def timed_steps(engine, prompts: list[list[int]], params) -> tuple[list[StepTime], list]:
+    """Run `prompts` (token ids) to the end through engine.step(), timing each step.
+    Returns the steps and the engine's Sequences (their timings() hold the request view)."""
+    seqs = [engine.add_request(f"timed-{next(_request_ids)}", ids, params) for ids in prompts]
+    steps = []
+    while engine.has_unfinished():
+        chunks = [len(s.timeline.prefill_chunks) for s in seqs]
+        generated = [s.num_generated_tokens for s in seqs]
+        faults = _minor_faults()
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        prompt = sum(n for s, c in zip(seqs, chunks) for _, n in s.timeline.prefill_chunks[c:])
+        decode = sum(1 for s, g in zip(seqs, generated) if g >= 1 and s.num_generated_tokens > g)
+        steps.append(StepTime(prompt, decode, seconds, _minor_faults() - faults))
+    return steps, seqs
+
+
+def _minor_faults() -> int:
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
+
+
+def decode_step_seconds(steps: list[StepTime], rows: int) -> float | None:
+    """Median seconds of the steps that only decoded, `rows` sequences each (None: there were none)."""
+    times = [s.seconds for s in steps if s.prompt_tokens == 0 and s.decode_rows == rows]
+    return statistics.median(times) if times else None
+
+
+def prefill_seconds(steps: list[StepTime]) -> tuple[int, float]:
+    """(prompt tokens, seconds) of the steps that computed prompt tokens (decodes riding along included)."""
+    prompt = [s for s in steps if s.prompt_tokens]
+    return sum(s.prompt_tokens for s in prompt), sum(s.seconds for s in prompt)
+
+
+def synthetic_prompt(n_tokens: int, n_vocab: int, key: int) -> list[int]:
+    """Token ids that no other key's prompt shares a first block with (no prefix-cache hit)."""
+    return [(7919 * (key + 1) + 31 * i + i * i) % n_vocab for i in range(n_tokens)]
+
+
+def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S) -> tuple[tuple[float, ...], float | None, bool]:
+    """(fastest quiet values, the most cores other processes used during the repeats they came
+    from, whether those were all quiet) of take(i) -> a tuple of seconds, called after waiting for
+    quiet each time, until `repeats` quiet calls or 2 * repeats calls. Each value is the fastest of
+    its quiet calls, or without any quiet call the fastest of all."""
+    from layerplan import quiet
+
+    samples = []
+    for i in range(2 * repeats):
+        quiet.wait_until_quiet(wait_s, sample_s=0.3)
+        meter = quiet.OtherCPU()
+        values = take(i)
+        cores = meter.cores()
+        samples.append((values, cores, cores is None or cores <= quiet.QUIET_CORES))
+        if sum(ok for _, _, ok in samples) >= repeats:
+            break
+    pool = [s for s in samples if s[2]] or samples
+    best = [min(pool, key=lambda s: s[0][k]) for k in range(len(pool[0][0]))]
+    others = [s[1] for s in best if s[1] is not None]
+    return tuple(s[0][k] for k, s in enumerate(best)), max(others) if others else None, all(s[2] for s in best)
+
+
+class _Engine:
+    """One engine built as `localrun.LLM` builds it, running the model's first n_layers (None: all)."""
+
+    def __init__(self, path, n_layers: int | None, n_ctx: int, n_parallel: int, threads: int | None):
+        import localrun
+        from localrun.engine.draft_model import self_draft
+        from localrun.sampling_params import SamplingParams
+
+        # no admission watermark: BATCH sequences of a full context are all admitted at once
+        self.llm = localrun.LLM(path, n_ctx=n_ctx, n_parallel=n_parallel, n_threads=threads, kv_watermark=0.0)
+        if n_layers is not None and n_layers < self.llm.config.n_layers:
+            self.llm.model = self_draft(self.llm.model, n_layers)   # before the engine is built from it
+        self.n_vocab = self.llm.config.n_vocab
+        self.params = SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True, seed=0)
+        self.run([synthetic_prompt(64, self.n_vocab, 10_000)], max_tokens=8)   # warm-up: pages, threads, kernels
+
+    def run(self, prompts, max_tokens: int = DECODE_STEPS) -> list[StepTime]:
+        return timed_steps(self.llm.engine, prompts, replace(self.params, max_tokens=max_tokens))[0]
+
+    def decode(self, n_seqs: int, fill: int):
+        """Seconds per decode step of n_seqs sequences after `fill` prompt tokens each (the prompts
+        are the same every repeat: from the second on their blocks come from the prefix cache)."""
+        prompts = [synthetic_prompt(fill, self.n_vocab, 100 * fill + i) for i in range(n_seqs)]
+        return best_quiet(lambda _: (decode_step_seconds(self.run(prompts), n_seqs),), DECODE_REPEATS)
+
+    def prefill(self, small: int, large: int):
+        """Seconds of the prompt step of a `small`-token prompt, of a `large`-token one, and of
+        `large` more tokens after that one (its blocks then come from the prefix cache); new
+        prompts every repeat."""
+        def take(i):
+            key = 1_000_000 + 10 * i
+            first = synthetic_prompt(large, self.n_vocab, key)
+            return (prefill_seconds(self.run([synthetic_prompt(small, self.n_vocab, key + 1)], max_tokens=1))[1],
+                    prefill_seconds(self.run([first], max_tokens=1))[1],
+                    prefill_seconds(self.run([first + synthetic_prompt(large, self.n_vocab, key + 2)],
+                                             max_tokens=1))[1])
+        return best_quiet(take, PREFILL_REPEATS)
+
+
+def measure_timings(path, threads: int | None = None):
+    """The engine timings layerplan.engine_fit needs, for the model at `path`, and the quiet
+    record: (EngineTimings, kv_type, others' cores at worst among the timings used, all quiet)."""
+    import layerplan
+    from layerplan.engine_fit import EngineTimings
+    from localrun.engine.paged_kv import default_kv_type
+
+    profile = layerplan.profile_gguf(path)
+    n_layers = profile.n_layers
+    n_short = max(1, n_layers // 3)
+    long_fill = max(SHORT_FILL * 2, min(LONG_FILL, profile.n_ctx_train // 2))
+    sizes = tuple(min(p, long_fill) for p in PROMPT_SIZES)
+    taken = []
+
+    shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)
+    taken.append(shallow.decode(1, SHORT_FILL))
+    del shallow
+    full = _Engine(path, None, max(long_fill, 2 * sizes[1]) + DECODE_STEPS + 16, BATCH, threads)
+    for n_seqs, fill in ((1, SHORT_FILL), (BATCH, SHORT_FILL), (BATCH, long_fill)):
+        taken.append(full.decode(n_seqs, fill))
+    taken.append(full.prefill(*sizes))
+    kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
+    (shallow_s,), (short_s,), (batch_s,), (batch_long_s,), (small_s, large_s, cached_s) = (t[0] for t in taken)
+    middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
+    timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
+                            fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
+                            decode_batch_s=batch_s, decode_batch_long_s=batch_long_s, prompt_tokens=sizes,
+                            prefill_s=(small_s, large_s), prefill_cached_s=cached_s)
+    others = [t[1] for t in taken if t[1] is not None]
+    return timings, kv_type, max(others) if others else None, all(t[2] for t in taken)
 
 
 def measure_engine(path, calibration, threads: int | None = None):
     """`calibration` (layerplan.calibrate.Calibration of this host) with the engine's own figures
-    for the model at `path`: per-layer fixed cost, per-step overhead and prefill throughput."""
+    for the model at `path`, fitted through the speed model (layerplan.engine_fit)."""
     import layerplan
+    from layerplan.calibrate import apply
+    from layerplan.engine_fit import fit_host, residuals
+    from layerplan.probe import probe_host
+    from localrun.tune import engine_profile
 
-    n_layers = layerplan.profile_gguf(path).n_layers
-    depths = (max(1, n_layers // 3), n_layers)
-    short = [_time_engine(path, n, SHORT_FILL, threads) for n in depths]   # decode with SHORT_FILL cached
-    long_decode, _ = _time_engine(path, None, LONG_FILL, threads)
-    fit = fit_engine(depths, (short[0][0], short[1][0]),
-                     tuple(p * PREFILL_TOKENS / SHORT_FILL for _, p in short),   # per PREFILL_TOKENS tokens
-                     (SHORT_FILL, LONG_FILL), (short[1][0], long_decode))
-
-    profile = layerplan.profile_gguf(path)
-    layer = max(profile.layers, key=lambda l: l.weight_bytes)
-    kv_token = layer.n_kv_head * (layer.head_dim_k + layer.head_dim_v) * KV_BYTES_PER_VALUE
-    stream_s = layer.weight_bytes / calibration.host_bandwidth
-    matmul_s = FUSED_MATMULS_PER_LAYER * calibration.host_matmul_overhead_s
-    layer_flops = 2 * PREFILL_TOKENS * layer.params
+    timings, kv_type, other_cpu, all_quiet = measure_timings(path, threads)
+    profile = engine_profile(path)
+    host = apply(layerplan.Machine(gpus=(), host=probe_host()), calibration).host
+    fitted = fit_host(profile, host, kv_type, timings)
+    worst = max(abs(r - 1) for r in residuals(profile, fitted, kv_type, timings).values())
+    t = timings
     return replace(
         calibration,
-        # the slope holds the layer's weights, its matmul calls and its attention over SHORT_FILL tokens:
-        # layerplan models those three on their own, so the fixed cost is what is left
-        host_layer_overhead_s=max(0.0, fit["decode_layer_s"] - stream_s - matmul_s
-                                  - SHORT_FILL * fit["cached_token_layer_s"]),
-        host_flops=layer_flops / fit["prefill_layer_s"] if fit["prefill_layer_s"] else calibration.host_flops,
-        host_kv_bandwidth=kv_token / fit["cached_token_layer_s"] if fit["cached_token_layer_s"] else None,
-        host_step_overhead_s=max(0.0, fit["decode_step_s"] - profile.head_bytes / calibration.host_bandwidth
-                                 - calibration.host_matmul_overhead_s),  # the head is modelled on its own
-        engine_model=f"{profile.name}: {n_layers} layers of {layer.weight_bytes:,} bytes, depths {depths[0]} and "
-                     f"{depths[1]}; decode {fit['decode_layer_s'] * 1e3:.3f} ms/layer + {fit['decode_step_s'] * 1e3:.2f} ms, "
-                     f"prefill {fit['prefill_layer_s'] * 1e3:.2f} ms/layer per {PREFILL_TOKENS} tokens, attention "
-                     f"{fit['cached_token_layer_s'] * 1e9:.1f} ns per cached token and layer",
+        host_layer_overhead_s=fitted.layer_overhead_s, host_step_overhead_s=fitted.step_overhead_s,
+        host_kv_bandwidth=fitted.kv_bandwidth, host_decode_flops=fitted.decode_flops,
+        host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
+        host_attention_flops=fitted.attention_flops,
+        other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
+        suspect=calibration.suspect or not all_quiet,
+        engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
+                      f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
+                      f"{t.decode_short_s * 1e3:.2f} ms at all, {t.decode_batch_s * 1e3:.2f} ms for {t.batch} "
+                      f"sequences, {t.decode_batch_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached; prompt steps "
+                      f"{t.prefill_s[0] * 1e3:.0f} ms for {t.prompt_tokens[0]} tokens, {t.prefill_s[1] * 1e3:.0f} ms "
+                      f"for {t.prompt_tokens[1]}, {t.prefill_cached_s * 1e3:.0f} ms for {t.prompt_tokens[1]} after as "
+                      f"many cached; the model reproduces each within {worst:.1%}"),
         backend="engine",
     )
