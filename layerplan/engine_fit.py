@@ -52,13 +52,13 @@ class EngineTimings:
     prefill_cached_s: float          # seconds of the step of prompt_tokens[1] new tokens after as many cached
 
 
-def _solve_rate(seconds_at, target: float) -> float:
+def _solve_rate(seconds_at, target: float, unseen: float) -> float:
     """The rate r (bytes/s or flop/s) at which seconds_at(r), decreasing in r, equals target:
-    bisection in log space, clamped to RATE_RANGE (a target below what any rate reaches gives the
-    top of the range: the cost is too small to see)."""
+    bisection in log space within RATE_RANGE. A target below what any rate reaches (the timing
+    difference is noise, or the cost too small to see) gives `unseen`, the figure kept instead."""
     lo, hi = RATE_RANGE
     if seconds_at(hi) >= target:
-        return hi
+        return unseen
     if seconds_at(lo) <= target:
         return lo
     for _ in range(64):    # 2^-64 of the range's log: far below timing noise
@@ -114,13 +114,13 @@ def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
     def fill_cost(kv_bandwidth):
         x = replace(h, kv_bandwidth=kv_bandwidth)
         return m.decode(x, t.batch, t.fill_long) - m.decode(x, t.batch, t.fill_short)
-    h = replace(h, kv_bandwidth=_solve_rate(fill_cost, t.decode_batch_long_s - t.decode_batch_s))
+    h = replace(h, kv_bandwidth=_solve_rate(fill_cost, t.decode_batch_long_s - t.decode_batch_s, h.kv_bandwidth))
 
     # 2. decode rows: `batch` sequences against one at the same fill (per-layer and per-step costs cancel)
     def rows_cost(decode_flops):
         x = replace(h, decode_flops=decode_flops)
         return m.decode(x, t.batch, t.fill_short) - m.decode(x, 1, t.fill_short)
-    h = replace(h, decode_flops=_solve_rate(rows_cost, t.decode_batch_s - t.decode_short_s))
+    h = replace(h, decode_flops=_solve_rate(rows_cost, t.decode_batch_s - t.decode_short_s, h.decode_flops))
 
     # 3. per layer: the model is linear in the layer overhead, so the slope over depth gives it
     n1, n2 = t.n_layers_short, m.profile.n_layers
@@ -138,16 +138,16 @@ def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
     def cached_cost(attention_flops):
         x = replace(h, attention_flops=attention_flops)
         return m.prefill(x, large, large) - m.prefill(x, large)
-    h = replace(h, attention_flops=_solve_rate(cached_cost, t.prefill_cached_s - large_s))
+    h = replace(h, attention_flops=_solve_rate(cached_cost, t.prefill_cached_s - large_s, h.attention_flops))
 
     # 6. prompt steps: a fixed unpacking cost per step and a cost per token, from the two sizes
     flops, unpack = h.compute_flops, h.unpack_bandwidth
     for _ in range(40):    # alternate: the large prompt mostly decides flop/s, the small one the unpacking
         previous = flops
-        flops = _solve_rate(lambda f: m.prefill(replace(h, compute_flops=f, unpack_bandwidth=unpack), large), large_s)
-        unpack = _solve_rate(lambda u: m.prefill(replace(h, compute_flops=flops, unpack_bandwidth=u), small), small_s)
-        if unpack >= RATE_RANGE[1]:
-            unpack = 0.0      # no fixed cost to see: weights are not unpacked
+        flops = _solve_rate(lambda f: m.prefill(replace(h, compute_flops=f, unpack_bandwidth=unpack), large), large_s,
+                            h.compute_flops)
+        unpack = _solve_rate(lambda u: m.prefill(replace(h, compute_flops=flops, unpack_bandwidth=u), small), small_s,
+                             0.0)     # no fixed cost to see: weights are not unpacked
         if abs(flops - previous) <= 1e-9 * flops:
             break
     return replace(h, compute_flops=flops, unpack_bandwidth=unpack)

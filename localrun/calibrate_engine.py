@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass, replace
 
 FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up), w2
-SHORT_FILL, LONG_FILL = 32, 1024   # prompt tokens before the timed decode steps (capped at half the trained context)
+SHORT_FILL, LONG_FILL = 32, 1024   # prompt tokens before the timed decode steps (within the trained context)
 BATCH = 4                     # sequences in the batched decode timings
-PROMPT_SIZES = (128, 1024)    # the two prompts whose single prefill step is timed
+PROMPT_SIZES = (128, 1024)    # the two prompts whose single prefill step is timed (less for a short context)
 DECODE_STEPS = 24             # tokens generated per decode timing
 DECODE_REPEATS = 3            # quiet repeats per timing; the fastest counts
 PREFILL_REPEATS = 8
@@ -134,7 +134,8 @@ class _Engine:
             self.llm.model = self_draft(self.llm.model, n_layers)   # before the engine is built from it
         self.n_vocab = self.llm.config.n_vocab
         self.params = SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True, seed=0)
-        self.run([synthetic_prompt(64, self.n_vocab, 10_000)], max_tokens=8)   # warm-up: pages, threads, kernels
+        warm_up = min(64, n_ctx // 2)           # pages, threads, kernels: first-touch costs are not timed
+        self.run([synthetic_prompt(warm_up, self.n_vocab, 10_000)], max_tokens=min(8, n_ctx - warm_up - 1))
 
     def run(self, prompts, max_tokens: int = DECODE_STEPS) -> list[StepTime]:
         return timed_steps(self.llm.engine, prompts, replace(self.params, max_tokens=max_tokens))[0]
@@ -169,8 +170,10 @@ def measure_timings(path, threads: int | None = None):
     profile = layerplan.profile_gguf(path)
     n_layers = profile.n_layers
     n_short = max(1, n_layers // 3)
-    long_fill = max(SHORT_FILL * 2, min(LONG_FILL, profile.n_ctx_train // 2))
-    sizes = tuple(min(p, long_fill) for p in PROMPT_SIZES)
+    room = profile.n_ctx_train - DECODE_STEPS - 16              # the engines stay within the trained context
+    long_fill = max(SHORT_FILL * 2, min(LONG_FILL, room))
+    large = min(PROMPT_SIZES[1], room // 2)                     # the cached timing holds twice as many
+    sizes = (min(PROMPT_SIZES[0], large // 4), large)
     taken = []
 
     shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)

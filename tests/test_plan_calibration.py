@@ -1,11 +1,14 @@
-"""Calibration bookkeeping: the load average decides whether a calibration is trusted, and the
-cache is keyed by CPU model and flags, GPUs and driver, and localrun's version."""
+"""Calibration bookkeeping: other processes' CPU use (measured, else the load average) decides
+whether a calibration is trusted, and the cache is keyed by CPU model and flags, GPUs and driver,
+and localrun's version."""
 import json
+import os
+import time
 from dataclasses import asdict, replace
 
 import pytest
 
-from layerplan import calibrate
+from layerplan import calibrate, quiet
 from layerplan.machine_spec import build_machine
 
 
@@ -49,3 +52,40 @@ def test_the_key_holds_cpu_flags_driver_and_version(tmp_path, monkeypatch):
     assert calibrate.load(machine, tmp_path) is None
     monkeypatch.undo()
     assert calibrate.load(machine, tmp_path) is not None
+
+
+# /proc/stat's first line: user nice system idle iowait irq softirq steal guest guest_nice (ticks)
+STAT = "cpu  1000 20 300 9000 50 7 3 70 0 0\ncpu0 500 10 150 4500 25 3 1 35 0 0\n"
+
+
+def test_busy_time_counts_every_busy_field_and_steal_but_not_idle_or_iowait():
+    assert quiet.machine_busy_seconds(STAT) == pytest.approx((1000 + 20 + 300 + 7 + 3 + 70) / os.sysconf("SC_CLK_TCK"))
+    assert quiet.machine_busy_seconds("not a stat file") is None
+
+
+def test_other_processes_cores_are_the_machine_busy_time_less_ours():
+    # 2 s of wall time: the machine was busy 3.0 CPU-seconds, 2.5 of them ours: others kept 0.25 cores busy
+    assert quiet.other_cores(busy_s=3.0, own_s=2.5, wall_s=2.0) == pytest.approx(0.25)
+    assert quiet.other_cores(busy_s=1.0, own_s=1.02, wall_s=1.0) == 0.0     # counters tick apart: never below 0
+
+
+def test_the_meter_takes_our_own_cpu_time_out_of_the_machine_busy_time():
+    now = {"wall, busy, ours": (100.0, 50.0, 10.0)}
+    meter = quiet.OtherCPU(tuple(lambda k=k: now["wall, busy, ours"][k] for k in range(3)))
+    # 2 s later the machine was busy 3.1 CPU-seconds more, 2.6 of them ours (two busy threads)
+    now["wall, busy, ours"] = (102.0, 53.1, 12.6)
+    assert meter.cores() == pytest.approx(0.25)
+    assert quiet.OtherCPU((lambda: 1.0, lambda: None, lambda: 0.0)).cores() is None   # no /proc/stat
+
+
+def test_waiting_for_quiet_stops_at_the_first_quiet_sample_or_the_deadline():
+    samples = iter([1.2, 0.8, 0.1, 0.0])
+    assert quiet.wait_until_quiet(60, sample=lambda s: next(samples)) == 0.1
+    assert quiet.wait_until_quiet(0, sample=lambda s: 1.5) == 1.5      # busy, but the time is up
+    assert quiet.wait_until_quiet(60, sample=lambda s: None) is None    # not measurable: no wait
+
+
+@pytest.mark.parametrize("other_cpu, suspect", [(0.05, False), (0.25, False), (0.6, True)])
+def test_measured_other_work_decides_suspect_over_the_load_average(other_cpu, suspect):
+    # a high load average (our previous run still in it) does not matter once other work is measured
+    assert calibrate.is_suspect(1.8, 3.5, 2, other_cpu) is suspect

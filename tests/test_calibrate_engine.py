@@ -1,0 +1,84 @@
+"""The engine calibration's timing side (localrun/calibrate_engine.py): each engine step is timed
+and sorted into prompt tokens and decode rows as the engine ran them; the fastest *quiet* repeat
+counts; and the whole calibration runs end to end on a tiny model."""
+import pytest
+
+from layerplan import calibrate, quiet
+from layerplan.devices import Device, Machine
+from localrun import calibrate_engine
+from localrun.calibrate_engine import (best_quiet, decode_step_seconds, measure_engine, prefill_seconds,
+                                       synthetic_prompt, timed_steps)
+
+
+def test_steps_are_sorted_into_prompt_tokens_and_decode_rows(tiny_gguf):
+    import localrun
+    from localrun.sampling_params import SamplingParams
+
+    llm = localrun.LLM(tiny_gguf("Q4_0"), n_ctx=64, n_parallel=2, n_threads=1, kv_watermark=0.0)
+    n_vocab = llm.config.n_vocab
+    prompts = [synthetic_prompt(20, n_vocab, 1), synthetic_prompt(11, n_vocab, 2)]
+    steps, seqs = timed_steps(llm.engine, prompts, SamplingParams(max_tokens=5, ignore_eos=True, seed=0))
+    # both prompts in the first step, then four steps in which both decode (the first token came with the prompt)
+    assert [(s.prompt_tokens, s.decode_rows) for s in steps] == [(31, 0)] + [(0, 2)] * 4
+    assert all(s.seconds > 0 and s.page_faults >= 0 for s in steps)
+    assert [s.num_generated_tokens for s in seqs] == [5, 5]
+    assert prefill_seconds(steps) == (31, steps[0].seconds)
+    # the median of the four decode steps: the mean of the middle two
+    assert decode_step_seconds(steps, 2) == pytest.approx(sum(sorted(s.seconds for s in steps[1:])[1:3]) / 2)
+    assert decode_step_seconds(steps, 1) is None
+
+
+def test_prompts_of_different_keys_share_no_first_block():
+    a, b = synthetic_prompt(64, 49152, 1), synthetic_prompt(64, 49152, 2)
+    assert a[:16] != b[:16] and a == synthetic_prompt(64, 49152, 1) and max(a) < 49152
+
+
+class _FakeMeter:
+    """quiet.OtherCPU stand-in: each meter reports the next figure of `cores`."""
+    cores_seen: list = []
+
+    def __init__(self):
+        self.value = _FakeMeter.cores_seen.pop(0)
+
+    def cores(self):
+        return self.value
+
+
+@pytest.fixture
+def fake_quiet(monkeypatch):
+    monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
+    monkeypatch.setattr(quiet, "OtherCPU", _FakeMeter)
+    return _FakeMeter
+
+
+def test_the_fastest_quiet_repeat_counts(fake_quiet):
+    fake_quiet.cores_seen = [0.0, 0.9, 0.1, 0.0]
+    values = iter([(3.0, 5.0), (1.0, 1.0), (2.0, 6.0), (9.0, 9.0)])
+    # the 1.0 came while another process used 0.9 cores: not trusted; two quiet repeats end it
+    assert best_quiet(lambda i: next(values), repeats=2) == ((2.0, 5.0), 0.1, True)
+
+
+def test_without_a_quiet_repeat_the_fastest_counts_and_says_so(fake_quiet):
+    fake_quiet.cores_seen = [0.5, 0.7]
+    values = iter([(3.0,), (2.0,)])
+    assert best_quiet(lambda i: next(values), repeats=1) == ((2.0,), 0.7, False)
+
+
+def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
+    monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 1)
+    monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 1)
+    monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
+    base = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=0.0,
+                                 other_cpu=0.0)
+    tuned = measure_engine(tiny_gguf("Q4_0", n_layers=3), base, threads=1)
+    assert tuned.backend == "engine" and "3 layers" in tuned.engine_model and "1 threads" in tuned.engine_model
+    assert 0 < tuned.host_flops < 1e16
+    for figure in (tuned.host_decode_flops, tuned.host_kv_bandwidth, tuned.host_attention_flops):
+        assert figure == 0.0 or 0 < figure < 1e16      # 0: too small to see on a tiny model, the default kept
+    assert tuned.host_layer_overhead_s >= 0 and tuned.host_step_overhead_s >= 0
+    assert (tuned.host_bandwidth, tuned.fingerprint) == (20e9, "x")      # the micro-benchmarks' figures stay
+    host = Device("CPU", "cpu", 1 << 34, 1 << 34, memory_bandwidth=1e10, compute_flops=1e10)
+    machine = calibrate.apply(Machine(gpus=(), host=host), tuned)
+    assert machine.host.decode_flops == tuned.host_decode_flops and machine.host.attention_flops == tuned.host_attention_flops
+    assert machine.host.unpack_bandwidth == (tuned.host_unpack_bandwidth or 0.0)
