@@ -68,7 +68,8 @@ class Calibration:
     suspect: bool = False            # taken with other work on the CPU: not saved, not to be trusted
     host_decode_flops: float | None = None       # matmul flop/s of decode rows (engine calibration)
     host_unpack_bandwidth: float | None = None   # bytes/s a prompt step unpacks weights at (engine calibration)
-    host_attention_flops: float | None = None    # flop/s of attention over the cache (engine calibration)
+    host_attention_flops: float | None = None    # flop/s of prompt attention after cached tokens (engine calibration)
+    host_causal_attention_flops: float | None = None  # and from an empty cache (engine calibration)
     other_cpu: float | None = None   # cores other processes kept busy while measuring (None: not measurable)
 
     @property
@@ -352,6 +353,7 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    decode_flops=calibration.host_decode_flops or 0.0,
                    unpack_bandwidth=calibration.host_unpack_bandwidth or 0.0,
                    attention_flops=calibration.host_attention_flops or 0.0,
+                   causal_attention_flops=calibration.host_causal_attention_flops or 0.0,
                    source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
                            + (", suspect: taken under load" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

@@ -1,25 +1,35 @@
 """The host's figures from timings of localrun's engine, fitted through layerplan's own speed model.
 
 localrun/calibrate_engine.py times the engine on the model's own file (decode steps at two depths,
-two batch sizes and two cache fills; two prompt sizes); this module finds the figures of the host
-`Device` that make the speed model (layerplan.speed.step_seconds) reproduce those timings. Each
-figure comes from one difference of timings that, in the model, depends only on it and on the
-figures found before it:
+two batch sizes and two cache fills; prompt steps from an empty cache of several sizes and of one
+size split into `batch` prompts, and one after a cached prefix); this module finds the figures of the host `Device` that make the speed model
+(layerplan.speed.step_seconds) reproduce those timings. The decode figures come one by one, each
+from a difference of timings that, in the model, depends only on it and on the figures found
+before it (bisection on the model, which is monotone in each):
 
   1. KV bandwidth: `batch` sequences decoding at the long fill against the short one (only their
      attention differs);
   2. decode flop/s: `batch` sequences against one, at the short fill (their decode rows' matmuls
      and the head's rows differ; attention by the bandwidth just found);
   3. per-layer overhead: one sequence through all layers against the first n_layers_short;
-  4. per-step overhead: the whole stack's decode step less its layers and head;
-  5. attention flop/s: the large prompt's step after as many cached tokens (a prefix-cache hit)
-     against its step from an empty cache (only its attention differs);
-  6. prompt flop/s and unpack bandwidth: two prompt sizes (each one step from an empty cache), a
-     cost per token and a fixed cost per step.
+  4. per-step overhead: the whole stack's decode step less its layers and head.
 
-Each figure is found by bisection on the model itself (monotone in each), so the fit stays true to
-whatever the model computes (rooflines, the head, attention), and timings the model predicts give
-back the figures they came from (tests/test_engine_fit.py).
+The prompt figures act together in every prompt step, so they are solved together, by damped
+Newton steps on the logarithms of the figures and of the timings (`_solve_logs`, least squares);
+still, each kind of timing mostly decides one figure:
+
+  5. prompt sizes from 128 tokens to most of a step, from an empty cache: a fixed cost per step
+     (unpacking the weights) and a cost per token (prompt flop/s). The cost per token of the
+     GEMM varies with the step's size (on a 2-core Xeon by +-8%, not monotonically: 1024 rows
+     are cheaper per row than 479), so several sizes are fitted, not two, and the line is their
+     average rather than the cheapest size's;
+  6. attention_tokens as `batch` prompts in one step against one prompt: the same matmuls, a
+     quarter of the causal attention (causal attention flop/s);
+  7. attention_tokens again after as many cached (a prefix-cache hit): masked attention over
+     every key up to the chunk's end (attention flop/s).
+
+Either way the fit stays true to whatever the model computes (rooflines, the head, attention),
+and timings the model predicts give back the figures they came from (tests/test_engine_fit.py).
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ from layerplan.devices import Device, Machine
 from layerplan.model_profile import ModelProfile
 from layerplan.placement import place
 from layerplan.settings import PlanSettings
-from layerplan.speed import chunk_keys, step_seconds
+from layerplan.speed import step_seconds
 
 RATE_RANGE = (1e6, 1e16)      # bytes/s or flop/s the bisection searches in
 OVERHEAD_CAP_S = 1.0          # a per-layer or per-step overhead beyond this is a broken timing
@@ -47,9 +57,11 @@ class EngineTimings:
     decode_short_s: float            # one sequence, short fill, all layers
     decode_batch_s: float            # `batch` sequences, short fill, all layers
     decode_batch_long_s: float       # `batch` sequences, long fill, all layers
-    prompt_tokens: tuple[int, int]   # two prompt sizes, each prefilled in one step from an empty cache
-    prefill_s: tuple[float, float]   # seconds of each one's step
-    prefill_cached_s: float          # seconds of the step of prompt_tokens[1] new tokens after as many cached
+    prompt_tokens: tuple[int, ...]   # prompt sizes (two or more), each prefilled in one step from an empty cache
+    prefill_s: tuple[float, ...]     # seconds of each one's step
+    attention_tokens: int            # the size of the two attention timings:
+    prefill_split_s: float           # seconds of one step prefilling `batch` prompts of attention_tokens / batch
+    prefill_cached_s: float          # seconds of the step of attention_tokens new tokens after as many cached
 
 
 def _solve_rate(seconds_at, target: float, unseen: float) -> float:
@@ -77,8 +89,9 @@ class _Model:
     def decode(self, host: Device, n_seqs: int, fill: float, n_layers: int | None = None) -> float:
         return self._step(host, ((1, fill),) * n_seqs, n_seqs, True, n_layers)
 
-    def prefill(self, host: Device, n_tokens: int, n_cached: int = 0) -> float:
-        return self._step(host, ((n_tokens, chunk_keys(n_cached, n_tokens)),), 1, False, None)
+    def prefill(self, host: Device, n_tokens: int, n_cached: int = 0, n_prompts: int = 1) -> float:
+        """One prompt step: n_prompts prompts of n_tokens / n_prompts each, after n_cached cached tokens."""
+        return self._step(host, ((n_tokens // n_prompts, n_cached),) * n_prompts, n_prompts, False, None)
 
     def _layout(self, host: Device, n_layers: int | None, n_seqs: int):
         """(profile, settings, placement) of the stack's first n_layers (None: all), every layer on the
@@ -100,11 +113,11 @@ class _Model:
 
 def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings) -> Device:
     """`host` with the figures that make the speed model reproduce the engine timings `t`:
-    kv_bandwidth, decode_flops, layer_overhead_s, step_overhead_s, attention_flops, compute_flops
-    and unpack_bandwidth (its memory bandwidth and matmul overhead stay as given)."""
+    kv_bandwidth, decode_flops, layer_overhead_s, step_overhead_s, unpack_bandwidth, compute_flops,
+    causal_attention_flops and attention_flops (its memory bandwidth and matmul overhead stay as given)."""
     m = _Model(profile, kv_type)
     h = replace(host, unpack_bandwidth=0.0)
-    for _ in range(3):    # decode attention's roofline reads attention_flops, found later: go round again
+    for _ in range(3):    # decode attention's roofline reads attention_flops, found last: go round again
         h = _fit_once(m, replace(h, layer_overhead_s=0.0, step_overhead_s=0.0), t)
     return h
 
@@ -132,25 +145,77 @@ def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
     # 4. per step: what the whole stack's decode step costs beyond the model of its parts
     h = replace(h, step_overhead_s=min(OVERHEAD_CAP_S, max(0.0, t.decode_short_s - m.decode(h, 1, t.fill_short))))
 
-    # 5. attention in prompt steps: the same new tokens after a cached prefix, against none
-    (small, large), (small_s, large_s) = t.prompt_tokens, t.prefill_s
+    # 5-7. prompt steps: unpacking, flop/s, causal and masked attention, all four timings at once
+    names = ("unpack_bandwidth", "compute_flops", "causal_attention_flops", "attention_flops")
+    n = t.attention_tokens
 
-    def cached_cost(attention_flops):
-        x = replace(h, attention_flops=attention_flops)
-        return m.prefill(x, large, large) - m.prefill(x, large)
-    h = replace(h, attention_flops=_solve_rate(cached_cost, t.prefill_cached_s - large_s, h.attention_flops))
+    def prompt_steps(logs):
+        x = replace(h, **{name: math.exp(v) for name, v in zip(names, logs)})
+        return [m.prefill(x, size) for size in t.prompt_tokens] + [m.prefill(x, n, n_prompts=t.batch),
+                                                                   m.prefill(x, n, n)]
+    start = [math.log(h.unpack_bandwidth or 1e9)] + [math.log(h.compute_flops)] * 3
+    logs = _solve_logs(prompt_steps, [*t.prefill_s, t.prefill_split_s, t.prefill_cached_s], start)
+    rates = dict(zip(names, (math.exp(v) for v in logs)))
+    if rates["unpack_bandwidth"] >= RATE_RANGE[1] / 10:
+        rates["unpack_bandwidth"] = 0.0     # no fixed cost to see: weights are not unpacked
+    return replace(h, **rates)
 
-    # 6. prompt steps: a fixed unpacking cost per step and a cost per token, from the two sizes
-    flops, unpack = h.compute_flops, h.unpack_bandwidth
-    for _ in range(40):    # alternate: the large prompt mostly decides flop/s, the small one the unpacking
-        previous = flops
-        flops = _solve_rate(lambda f: m.prefill(replace(h, compute_flops=f, unpack_bandwidth=unpack), large), large_s,
-                            h.compute_flops)
-        unpack = _solve_rate(lambda u: m.prefill(replace(h, compute_flops=flops, unpack_bandwidth=u), small), small_s,
-                             0.0)     # no fixed cost to see: weights are not unpacked
-        if abs(flops - previous) <= 1e-9 * flops:
+
+def _solve_logs(seconds_of, measured: list[float], start: list[float], iterations: int = 200) -> list[float]:
+    """Logs of rates (within RATE_RANGE) at which seconds_of(logs) matches `measured` best, in
+    least squares of log(modelled / measured): damped Newton (Levenberg-Marquardt), the Jacobian
+    by finite differences. A rate the timings cannot see drifts to a bound of the range."""
+    lo, hi = (math.log(r) for r in RATE_RANGE)
+    targets = [math.log(v) for v in measured]
+
+    def misfit(logs):
+        r = [math.log(v) - t for v, t in zip(seconds_of(logs), targets)]
+        return r, sum(v * v for v in r)
+
+    logs, damping = list(start), 1e-3
+    r, cost = misfit(logs)
+    for _ in range(iterations):
+        if cost < 1e-20:
             break
-    return replace(h, compute_flops=flops, unpack_bandwidth=unpack)
+        jacobian = []                        # d r_i / d log(rate_j)
+        for j in range(len(logs)):
+            bumped = list(logs)
+            bumped[j] += 1e-4
+            jacobian.append([(a - b) / 1e-4 for a, b in zip(misfit(bumped)[0], r)])
+        jtj = [[sum(jacobian[a][i] * jacobian[b][i] for i in range(len(r))) for b in range(len(logs))]
+               for a in range(len(logs))]
+        jtr = [sum(jacobian[a][i] * r[i] for i in range(len(r))) for a in range(len(logs))]
+        while damping < 1e12:
+            system = [[jtj[a][b] + (damping * (jtj[a][a] + 1e-12) if a == b else 0.0) for b in range(len(logs))]
+                      for a in range(len(logs))]
+            step = _solve_linear(system, [-v for v in jtr])
+            trial = [min(hi, max(lo, v + d)) for v, d in zip(logs, step)]
+            trial_r, trial_cost = misfit(trial)
+            if trial_cost < cost:
+                logs, r, cost, damping = trial, trial_r, trial_cost, max(damping / 10, 1e-9)
+                break
+            damping *= 10
+        else:
+            break                            # no step improves: as close as the model gets
+    return logs
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (Gaussian elimination with partial pivoting; a small dense system)."""
+    n = len(b)
+    rows = [list(row) + [v] for row, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(rows[i][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        if rows[col][col] == 0:
+            continue
+        for i in range(col + 1, n):
+            f = rows[i][col] / rows[col][col]
+            rows[i] = [x - f * y for x, y in zip(rows[i], rows[col])]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (rows[i][n] - sum(rows[i][j] * x[j] for j in range(i + 1, n))) / rows[i][i] if rows[i][i] else 0.0
+    return x
 
 
 def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings) -> dict[str, float]:
@@ -160,6 +225,6 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
             "decode_short": t.decode_short_s / m.decode(host, 1, t.fill_short),
             "decode_batch": t.decode_batch_s / m.decode(host, t.batch, t.fill_short),
             "decode_batch_long": t.decode_batch_long_s / m.decode(host, t.batch, t.fill_long),
-            "prefill_small": t.prefill_s[0] / m.prefill(host, t.prompt_tokens[0]),
-            "prefill_large": t.prefill_s[1] / m.prefill(host, t.prompt_tokens[1]),
-            "prefill_cached": t.prefill_cached_s / m.prefill(host, t.prompt_tokens[1], t.prompt_tokens[1])}
+            **{f"prefill_{n}": s / m.prefill(host, n) for n, s in zip(t.prompt_tokens, t.prefill_s)},
+            "prefill_split": t.prefill_split_s / m.prefill(host, t.attention_tokens, n_prompts=t.batch),
+            "prefill_cached": t.prefill_cached_s / m.prefill(host, t.attention_tokens, t.attention_tokens)}

@@ -95,7 +95,7 @@ def _transfer_s(a: Device, b: Device, n_bytes: float) -> float:
 
 class _Step:
     """Time of one forward step over a placement: for each sequence in it, n_queries new tokens
-    against n_cached cached ones (the mean over the new tokens, for causal prefill)."""
+    after n_cached cached ones (for a decode step, the cached tokens each row reads)."""
 
     def __init__(self, profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings):
         self.profile, self.placement, self.settings = profile, placement, settings
@@ -110,7 +110,8 @@ class _Step:
     def entries_seconds(self, entries: tuple[tuple[int, float], ...], n_logits: int,
                         decode: bool) -> tuple[float, list[float]]:
         """A step of (n_queries, n_cached) per sequence; decode: its rows are decode rows (one new
-        token per sequence, through the device's decode kernels), else prompt chunks."""
+        token per sequence, through the device's decode kernels), else prompt chunks (attending
+        as chunk_keys says, from an empty cache at the device's causal rate)."""
         profile, placement, devices = self.profile, self.placement, self.devices
         n_tokens = sum(q for q, _ in entries)
         per_device = [0.0] * len(devices)
@@ -130,12 +131,15 @@ class _Step:
                             + layer.n_expert_matmuls * expert_device.matmul_overhead_s)
                 per_device[expert_index] += expert_s
                 matmul_s -= layer.n_expert_matmuls * device.matmul_overhead_s  # counted where they run
-            a_bytes = a_flops = 0.0
+            a_bytes, flops_s = 0.0, 0.0
+            masked_rate = kv_device.attention_flops or kv_device.compute_flops
             for n_queries, n_cached in entries:
-                b, f = _attention(layer, self.kv_per_token[il], n_queries, n_cached, 1)
-                a_bytes, a_flops = a_bytes + b, a_flops + f
-            attention_s = max(a_bytes / (kv_device.kv_bandwidth or kv_device.memory_bandwidth),
-                              a_flops / (kv_device.attention_flops or kv_device.compute_flops))
+                keys = n_cached if decode else chunk_keys(n_cached, n_queries)
+                b, f = _attention(layer, self.kv_per_token[il], n_queries, keys, 1)
+                causal = not decode and n_cached == 0
+                rate = (kv_device.causal_attention_flops or masked_rate) if causal else masked_rate
+                a_bytes, flops_s = a_bytes + b, flops_s + f / rate
+            attention_s = max(a_bytes / (kv_device.kv_bandwidth or kv_device.memory_bandwidth), flops_s)
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
                 q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
                 attention_s += 2 * _transfer_s(device, kv_device, n_tokens * q_kv_dims * F32)
@@ -172,7 +176,8 @@ class _Step:
 def step_seconds(profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings,
                  entries: tuple[tuple[int, float], ...], *, n_logits: int, decode: bool) -> float:
     """Predicted seconds of one forward step: (n_queries, n_cached) for each sequence in it; decode:
-    one new token per sequence (decode rows), else prompt chunks; n_logits rows through the head."""
+    one new token per sequence (decode rows) reading n_cached tokens, else prompt chunks after
+    n_cached cached tokens; n_logits rows through the head."""
     return _Step(profile, machine, placement, settings).entries_seconds(tuple(entries), n_logits, decode)[0]
 
 
@@ -189,7 +194,7 @@ def chunk_keys(n_cached: int, n_new: int) -> float:
 def prefill_steps(prompt_tokens: int, prompts_together: int, n_ubatch: int) -> list[tuple[tuple[tuple[int, float], ...], int]]:
     """The prompt steps that prefill `prompts_together` prompts of prompt_tokens arriving together:
     each step takes up to n_ubatch tokens, the oldest prompt first (a prompt's chunks in order).
-    Each step is ((n_queries, keys per query: chunk_keys) per prompt in it, number of prompts it finishes)."""
+    Each step is ((n_queries, n_cached before the chunk) per prompt in it, number of prompts it finishes)."""
     done = [0] * prompts_together
     steps = []
     while done[-1] < prompt_tokens:
@@ -200,7 +205,7 @@ def prefill_steps(prompt_tokens: int, prompts_together: int, n_ubatch: int) -> l
             take = min(prompt_tokens - done[i], budget)
             if take <= 0:
                 continue
-            entries.append((take, chunk_keys(done[i], take)))
+            entries.append((take, done[i]))
             done[i] += take
             budget -= take
             finished += done[i] == prompt_tokens

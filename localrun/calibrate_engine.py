@@ -10,8 +10,10 @@ times the engine's own steps (`engine.step()`, one by one):
 - decode steps of one sequence at a short cache fill, through the model's first layers (and its
   head) and through all of them;
 - decode steps of BATCH sequences at the short fill and at a long one;
-- the single prompt step of a short and of a long prompt from an empty cache, and of the long
-  prompt's tokens again after as many cached ones (a prefix-cache hit), for attention.
+- the single prompt step of prompts of several sizes from an empty cache, of ATTENTION_TOKENS
+  tokens as BATCH prompts, and of ATTENTION_TOKENS tokens after as many cached ones (a
+  prefix-cache hit): a fixed cost per step, a cost per token, and attention (causal from an
+  empty cache, masked after cached tokens).
 
 layerplan.engine_fit finds the host figures (per-layer and per-step overhead, decode and prompt
 flop/s, the unpacking of weights per prompt step, attention's bandwidth and flop/s) that make the
@@ -19,13 +21,14 @@ speed model reproduce these timings.
 
 Timings that meet other work describe that moment, not the machine: each is taken several times
 (DECODE_REPEATS, PREFILL_REPEATS), each after waiting (a bounded time) for other processes to leave
-the CPU, with the cores they used meanwhile recorded (layerplan.quiet). The fastest quiet repeat
-counts (other work only ever adds time); a timing without one makes the calibration suspect. A
-decode timing is the median of its steps, so one late step (a page fault, a garbage collection)
-does not move it. Prompt steps vary more than decode steps: they allocate the unpacked weights
-afresh, and whether the allocator hands back pages it kept or takes fresh ones from the kernel
-(~100k page faults, +100-130 ms a step for SmolLM2) differs from step to step and process to
-process; so they get more repeats, and the fastest is the step without that cost. A warm-up runs first in every engine, so
+the CPU, with the cores they used meanwhile recorded (layerplan.quiet); a timing without a quiet
+repeat makes the calibration suspect. A decode timing is the median of its steps, so one late
+step (a garbage collection) does not move it, and the fastest quiet repeat counts (other work only
+ever adds time). Prompt steps vary by themselves: they allocate the unpacked weights afresh, and
+whether the allocator hands back pages it kept or takes fresh ones from the kernel (0 to ~130k
+page faults, up to +130 ms a step for SmolLM2) differs from step to step and process to process.
+That is the engine's own cost, which a user meets, so a prompt timing is the median of its quiet
+repeats, not the luckiest one. A warm-up runs first in every engine, so
 first-touch costs (weights paged in, kernels set up) are not timed.
 """
 from __future__ import annotations
@@ -38,10 +41,11 @@ from dataclasses import dataclass, replace
 FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up), w2
 SHORT_FILL, LONG_FILL = 32, 1024   # prompt tokens before the timed decode steps (within the trained context)
 BATCH = 4                     # sequences in the batched decode timings
-PROMPT_SIZES = (128, 1024)    # the two prompts whose single prefill step is timed (less for a short context)
+PROMPT_SIZES = (128, 384, 1024, 1536)   # prompts whose single prefill step is timed (within a short context)
+ATTENTION_TOKENS = 1024       # prompt tokens of the two attention timings
 DECODE_STEPS = 24             # tokens generated per decode timing
 DECODE_REPEATS = 3            # quiet repeats per timing; the fastest counts
-PREFILL_REPEATS = 8
+PREFILL_REPEATS = 6
 QUIET_WAIT_S = 20.0           # the longest one repeat waits for other processes to leave the CPU
 
 _request_ids = itertools.count()
@@ -98,11 +102,12 @@ def synthetic_prompt(n_tokens: int, n_vocab: int, key: int) -> list[int]:
     return [(7919 * (key + 1) + 31 * i + i * i) % n_vocab for i in range(n_tokens)]
 
 
-def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S) -> tuple[tuple[float, ...], float | None, bool]:
-    """(fastest quiet values, the most cores other processes used during the repeats they came
-    from, whether those were all quiet) of take(i) -> a tuple of seconds, called after waiting for
-    quiet each time, until `repeats` quiet calls or 2 * repeats calls. Each value is the fastest of
-    its quiet calls, or without any quiet call the fastest of all."""
+def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S,
+               typical: bool = False) -> tuple[tuple[float, ...], float | None, bool]:
+    """(values, the most cores other processes used during the repeats they came from, whether
+    those were all quiet) of take(i) -> a tuple of seconds, called after waiting for quiet each
+    time, until `repeats` quiet calls or 2 * repeats calls. Each value is the fastest of its quiet
+    calls (typical: their median), or without any quiet call the fastest (median) of all."""
     from layerplan import quiet
 
     samples = []
@@ -115,9 +120,9 @@ def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S) -> tuple[tuple[
         if sum(ok for _, _, ok in samples) >= repeats:
             break
     pool = [s for s in samples if s[2]] or samples
-    best = [min(pool, key=lambda s: s[0][k]) for k in range(len(pool[0][0]))]
-    others = [s[1] for s in best if s[1] is not None]
-    return tuple(s[0][k] for k, s in enumerate(best)), max(others) if others else None, all(s[2] for s in best)
+    values = tuple((statistics.median if typical else min)(s[0][k] for s in pool) for k in range(len(pool[0][0])))
+    others = [s[1] for s in pool if s[1] is not None]
+    return values, max(others) if others else None, all(s[2] for s in pool)
 
 
 class _Engine:
@@ -146,18 +151,21 @@ class _Engine:
         prompts = [synthetic_prompt(fill, self.n_vocab, 100 * fill + i) for i in range(n_seqs)]
         return best_quiet(lambda _: (decode_step_seconds(self.run(prompts), n_seqs),), DECODE_REPEATS)
 
-    def prefill(self, small: int, large: int):
-        """Seconds of the prompt step of a `small`-token prompt, of a `large`-token one, and of
-        `large` more tokens after that one (its blocks then come from the prefix cache); new
-        prompts every repeat."""
+    def prefill(self, sizes: tuple[int, ...], n: int):
+        """Seconds of the prompt step of a prompt of each size (n among them), of `n` tokens as
+        BATCH prompts in one step, and of `n` tokens after the `n`-token prompt (its blocks then come
+        from the prefix cache); new prompts every repeat."""
+        def step_s(prompts):
+            return prefill_seconds(self.run(prompts, max_tokens=1))[1]
+
         def take(i):
-            key = 1_000_000 + 10 * i
-            first = synthetic_prompt(large, self.n_vocab, key)
-            return (prefill_seconds(self.run([synthetic_prompt(small, self.n_vocab, key + 1)], max_tokens=1))[1],
-                    prefill_seconds(self.run([first], max_tokens=1))[1],
-                    prefill_seconds(self.run([first + synthetic_prompt(large, self.n_vocab, key + 2)],
-                                             max_tokens=1))[1])
-        return best_quiet(take, PREFILL_REPEATS)
+            key = 1_000_000 + 100 * i
+            prompts = [synthetic_prompt(size, self.n_vocab, key + j) for j, size in enumerate(sizes)]
+            split = [synthetic_prompt(n // BATCH, self.n_vocab, key + 50 + j) for j in range(BATCH)]
+            first = prompts[sizes.index(n)]
+            return (*(step_s([p]) for p in prompts), step_s(split),
+                    step_s([first + synthetic_prompt(n, self.n_vocab, key + 99)]))
+        return best_quiet(take, PREFILL_REPEATS, typical=True)
 
 
 def measure_timings(path, threads: int | None = None):
@@ -172,24 +180,26 @@ def measure_timings(path, threads: int | None = None):
     n_short = max(1, n_layers // 3)
     room = profile.n_ctx_train - DECODE_STEPS - 16              # the engines stay within the trained context
     long_fill = max(SHORT_FILL * 2, min(LONG_FILL, room))
-    large = min(PROMPT_SIZES[1], room // 2)                     # the cached timing holds twice as many
-    sizes = (min(PROMPT_SIZES[0], large // 4), large)
+    n = min(ATTENTION_TOKENS, room // 2)                        # the cached timing holds twice as many
+    n -= n % BATCH
+    sizes = tuple(sorted({max(1, min(size, n * size // ATTENTION_TOKENS)) for size in PROMPT_SIZES}))  # one step each
     taken = []
 
     shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)
     taken.append(shallow.decode(1, SHORT_FILL))
     del shallow
-    full = _Engine(path, None, max(long_fill, 2 * sizes[1]) + DECODE_STEPS + 16, BATCH, threads)
+    full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
     for n_seqs, fill in ((1, SHORT_FILL), (BATCH, SHORT_FILL), (BATCH, long_fill)):
         taken.append(full.decode(n_seqs, fill))
-    taken.append(full.prefill(*sizes))
+    taken.append(full.prefill(sizes, n))
     kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
-    (shallow_s,), (short_s,), (batch_s,), (batch_long_s,), (small_s, large_s, cached_s) = (t[0] for t in taken)
+    (shallow_s,), (short_s,), (batch_s,), (batch_long_s,), (*prefill_s, split_s, cached_s) = (t[0] for t in taken)
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
                             fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
                             decode_batch_s=batch_s, decode_batch_long_s=batch_long_s, prompt_tokens=sizes,
-                            prefill_s=(small_s, large_s), prefill_cached_s=cached_s)
+                            prefill_s=tuple(prefill_s), attention_tokens=n, prefill_split_s=split_s,
+                            prefill_cached_s=cached_s)
     others = [t[1] for t in taken if t[1] is not None]
     return timings, kv_type, max(others) if others else None, all(t[2] for t in taken)
 
@@ -214,15 +224,16 @@ def measure_engine(path, calibration, threads: int | None = None):
         host_layer_overhead_s=fitted.layer_overhead_s, host_step_overhead_s=fitted.step_overhead_s,
         host_kv_bandwidth=fitted.kv_bandwidth, host_decode_flops=fitted.decode_flops,
         host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
-        host_attention_flops=fitted.attention_flops,
+        host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
         suspect=calibration.suspect or not all_quiet,
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, {t.decode_batch_s * 1e3:.2f} ms for {t.batch} "
                       f"sequences, {t.decode_batch_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached; prompt steps "
-                      f"{t.prefill_s[0] * 1e3:.0f} ms for {t.prompt_tokens[0]} tokens, {t.prefill_s[1] * 1e3:.0f} ms "
-                      f"for {t.prompt_tokens[1]}, {t.prefill_cached_s * 1e3:.0f} ms for {t.prompt_tokens[1]} after as "
-                      f"many cached; the model reproduces each within {worst:.1%}"),
+                      + ", ".join(f"{s * 1e3:.0f} ms for {n} tokens" for n, s in zip(t.prompt_tokens, t.prefill_s))
+                      + f", {t.prefill_split_s * 1e3:.0f} ms for {t.batch} prompts of {t.attention_tokens // t.batch}"
+                      f", {t.prefill_cached_s * 1e3:.0f} ms for {t.attention_tokens} after as many cached; "
+                      f"the model reproduces these within {worst:.1%} (worst)"),
         backend="engine",
     )

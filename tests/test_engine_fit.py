@@ -10,7 +10,7 @@ from layerplan.engine_fit import EngineTimings, _Model, fit_host, residuals
 from layerplan.model_profile import LayerProfile, ModelProfile
 from layerplan.placement import place
 from layerplan.settings import PlanSettings
-from layerplan.speed import predict, prefill_steps, step_seconds
+from layerplan.speed import chunk_keys, predict, prefill_steps, step_seconds
 
 
 def _toy(n_layers: int = 12) -> ModelProfile:
@@ -23,7 +23,7 @@ def _toy(n_layers: int = 12) -> ModelProfile:
 
 TRUE_HOST = Device("CPU", "cpu", 1 << 34, 1 << 34, memory_bandwidth=30e9, compute_flops=250e9,
                    matmul_overhead_s=10e-6, layer_overhead_s=150e-6, step_overhead_s=4e-3, kv_bandwidth=9e9,
-                   decode_flops=80e9, unpack_bandwidth=0.5e9, attention_flops=150e9)
+                   decode_flops=80e9, unpack_bandwidth=0.5e9, attention_flops=150e9, causal_attention_flops=300e9)
 
 
 def _timings(profile: ModelProfile, host: Device, kv_type: str = "f16") -> EngineTimings:
@@ -31,17 +31,19 @@ def _timings(profile: ModelProfile, host: Device, kv_type: str = "f16") -> Engin
     return EngineTimings(n_layers_short=4, batch=4, fill_short=40.0, fill_long=1040.0,
                          decode_short_shallow_s=m.decode(host, 1, 40.0, 4), decode_short_s=m.decode(host, 1, 40.0),
                          decode_batch_s=m.decode(host, 4, 40.0), decode_batch_long_s=m.decode(host, 4, 1040.0),
-                         prompt_tokens=(128, 1024), prefill_s=(m.prefill(host, 128), m.prefill(host, 1024)),
+                         prompt_tokens=(128, 384, 1024), prefill_s=tuple(m.prefill(host, n) for n in (128, 384, 1024)),
+                         attention_tokens=1024, prefill_split_s=m.prefill(host, 1024, n_prompts=4),
                          prefill_cached_s=m.prefill(host, 1024, 1024))
 
 
 def test_timings_the_model_predicts_give_back_their_figures():
     profile = _toy()
     start = replace(TRUE_HOST, layer_overhead_s=0.0, step_overhead_s=0.0, kv_bandwidth=0.0, decode_flops=0.0,
-                    unpack_bandwidth=0.0, attention_flops=0.0, compute_flops=100e9)   # what the micro-benchmarks knew
+                    unpack_bandwidth=0.0, attention_flops=0.0, causal_attention_flops=0.0,
+                    compute_flops=100e9)   # what the micro-benchmarks knew
     fitted = fit_host(profile, start, "f16", _timings(profile, TRUE_HOST))
     for name in ("kv_bandwidth", "decode_flops", "layer_overhead_s", "step_overhead_s", "compute_flops",
-                 "unpack_bandwidth", "attention_flops"):
+                 "unpack_bandwidth", "attention_flops", "causal_attention_flops"):
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE_HOST, name), rel=1e-3), name
     assert (fitted.memory_bandwidth, fitted.matmul_overhead_s) == (30e9, 10e-6)   # kept as given
     assert all(r == pytest.approx(1.0, rel=1e-6) for r in residuals(profile, fitted, "f16",
@@ -75,25 +77,29 @@ def _host_only(profile, host, n_parallel=1, n_ubatch=512):
 def test_decode_rows_run_at_the_decode_rate_and_prompt_steps_pay_the_unpacking():
     profile = _toy(n_layers=1)
     host = Device("CPU", "cpu", 1 << 34, 1 << 34, memory_bandwidth=1e12, compute_flops=100e9, decode_flops=10e9,
-                  unpack_bandwidth=1e9, kv_bandwidth=1e15, attention_flops=50e9)
+                  unpack_bandwidth=1e9, kv_bandwidth=1e15, attention_flops=50e9, causal_attention_flops=200e9)
     machine, settings, placement = _host_only(profile, host, n_parallel=4)
     # 4 decode rows: (layer 4e6 params + head 16e6) x 2 flops x 4 rows at 10 GFLOP/s; no unpacking
     decode = step_seconds(profile, machine, placement, settings, ((1, 0.0),) * 4, n_logits=4, decode=True)
     assert decode == pytest.approx(2 * 4 * (4e6 + 16e6) / 10e9, rel=1e-6)
-    # a 100-token prompt chunk: its matmuls at 100 GFLOP/s, 2 MB unpacked at 1 GB/s, attention (100 queries
-    # against 50 cached on average, 8 heads of 64 + 64) at 50 GFLOP/s, the head's one row at 10
-    prompt = step_seconds(profile, machine, placement, settings, ((100, 50.0),), n_logits=1, decode=False)
-    attention_flops = 2 * 100 * 50 * 8 * 128
-    assert prompt == pytest.approx(2 * 100 * 4e6 / 100e9 + 2e6 / 1e9 + attention_flops / 50e9 + 2 * 16e6 / 10e9,
-                                   rel=1e-6)
+    # a 100-token prompt from an empty cache: its matmuls at 100 GFLOP/s, 2 MB unpacked at 1 GB/s, causal
+    # attention (100 queries over 50 keys on average, 8 heads of 64 + 64) at 200 GFLOP/s, the head's row at 10
+    prompt = step_seconds(profile, machine, placement, settings, ((100, 0),), n_logits=1, decode=False)
+    matmuls_and_head = 2 * 100 * 4e6 / 100e9 + 2e6 / 1e9 + 2 * 16e6 / 10e9
+    assert prompt == pytest.approx(matmuls_and_head + 2 * 100 * 50 * 8 * 128 / 200e9, rel=1e-6)
+    # the same 100 tokens after 300 cached: a masked kernel, every new token over all 400 keys, at 50 GFLOP/s
+    later = step_seconds(profile, machine, placement, settings, ((100, 300),), n_logits=1, decode=False)
+    assert later == pytest.approx(matmuls_and_head + 2 * 100 * 400 * 8 * 128 / 50e9, rel=1e-6)
 
 
 def test_prompts_that_arrive_together_share_steps_oldest_first():
-    assert prefill_steps(479, 4, 2048) == [(((479, 239.5),) * 4, 4)]
+    # ((new tokens, tokens cached before them) per prompt in the step, prompts the step finishes)
+    assert prefill_steps(479, 4, 2048) == [(((479, 0),) * 4, 4)]
+    assert prefill_steps(1000, 3, 1500) == [(((1000, 0), (500, 0)), 1), (((500, 500), (1000, 0)), 2)]
+    assert prefill_steps(700, 1, 512) == [(((512, 0),), 0), (((188, 512),), 1)]
     # a prompt's first chunk attends causally (half its own tokens on average), a later one over every key
     # up to its end (the engine's masked kernel computes the masked part too)
-    assert prefill_steps(1000, 3, 1500) == [(((1000, 500.0), (500, 250.0)), 1), (((500, 1000.0), (1000, 500.0)), 2)]
-    assert prefill_steps(700, 1, 512) == [(((512, 256.0),), 0), (((188, 700.0),), 1)]
+    assert (chunk_keys(0, 512), chunk_keys(512, 188)) == (256, 700)
     # the unpacking is paid once per step, so four prompts in one step cost less per token than one
     profile = _toy()
     host = replace(TRUE_HOST, unpack_bandwidth=0.2e9)
@@ -101,5 +107,5 @@ def test_prompts_that_arrive_together_share_steps_oldest_first():
     one = predict(profile, machine, placement, settings, prompt_tokens=479)
     four = predict(profile, machine, placement, settings, prompt_tokens=479, prompts_together=4)
     assert four.prompts_together == 4 and four.prefill_tok_s > one.prefill_tok_s
-    assert four.ttft_s == pytest.approx(step_seconds(profile, machine, placement, settings, ((479, 239.5),) * 4,
+    assert four.ttft_s == pytest.approx(step_seconds(profile, machine, placement, settings, ((479, 0),) * 4,
                                                      n_logits=4, decode=False), rel=1e-9)
