@@ -204,6 +204,44 @@ def measure_timings(path, threads: int | None = None):
     return timings, kv_type, max(others) if others else None, all(t[2] for t in taken)
 
 
+def measure_timings_in_new_process(path, threads: int | None = None):
+    """measure_timings in a fresh Python process, as the engine will run: the allocator's state
+    decides how many pages a prompt step takes fresh from the kernel (see the module's notes), and
+    a process that has just run the micro-benchmarks (hundreds of MiB allocated and freed) keeps
+    pages an engine process would not, so its prompt steps look cheaper than a real engine's."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "localrun.calibrate_engine", str(path)] + ([str(threads)] if threads else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the engine calibration failed:\n{proc.stderr[-2000:]}")
+    return read_timings(proc.stdout.strip().splitlines()[-1])
+
+
+def read_timings(line: str):
+    """measure_timings' result from the JSON line main() prints."""
+    import json
+
+    from layerplan.engine_fit import EngineTimings
+
+    out = json.loads(line)
+    t = out["timings"]
+    timings = EngineTimings(**{**t, "prompt_tokens": tuple(t["prompt_tokens"]), "prefill_s": tuple(t["prefill_s"])})
+    return timings, out["kv_type"], out["other_cpu"], out["quiet"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m localrun.calibrate_engine MODEL.gguf [THREADS]: measure_timings, as one JSON line."""
+    import json
+    import sys
+    from dataclasses import asdict
+
+    args = sys.argv[1:] if argv is None else argv
+    timings, kv_type, other_cpu, all_quiet = measure_timings(args[0], int(args[1]) if len(args) > 1 else None)
+    print(json.dumps({"timings": asdict(timings), "kv_type": kv_type, "other_cpu": other_cpu, "quiet": all_quiet}))
+
+
 def measure_engine(path, calibration, threads: int | None = None):
     """`calibration` (layerplan.calibrate.Calibration of this host) with the engine's own figures
     for the model at `path`, fitted through the speed model (layerplan.engine_fit)."""
@@ -213,7 +251,7 @@ def measure_engine(path, calibration, threads: int | None = None):
     from layerplan.probe import probe_host
     from localrun.tune import engine_profile
 
-    timings, kv_type, other_cpu, all_quiet = measure_timings(path, threads)
+    timings, kv_type, other_cpu, all_quiet = measure_timings_in_new_process(path, threads)
     profile = engine_profile(path)
     host = apply(layerplan.Machine(gpus=(), host=probe_host()), calibration).host
     fitted = fit_host(profile, host, kv_type, timings)
@@ -237,3 +275,7 @@ def measure_engine(path, calibration, threads: int | None = None):
                       f"the model reproduces these within {worst:.1%} (worst)"),
         backend="engine",
     )
+
+
+if __name__ == "__main__":
+    main()

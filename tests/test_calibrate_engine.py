@@ -70,8 +70,14 @@ def test_without_a_quiet_repeat_the_fastest_counts_and_says_so(fake_quiet):
     assert best_quiet(lambda i: next(values), repeats=1) == ((2.0,), 0.7, False)
 
 
-def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch):
+def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsys):
     monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
+    # the timings are taken in a new process (main); here in this one, through main's JSON line
+    def in_this_process(path, threads):
+        capsys.readouterr()
+        calibrate_engine.main([str(path), str(threads)])
+        return calibrate_engine.read_timings(capsys.readouterr().out.strip().splitlines()[-1])
+    monkeypatch.setattr(calibrate_engine, "measure_timings_in_new_process", in_this_process)
     monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 1)
     monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 1)
     monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
