@@ -141,7 +141,7 @@ def predict(path, measured: dict, calibration) -> dict:
     from layerplan.ledger import EngineOptions, engine_ledger
     from layerplan.probe import probe_host
     from localrun.engine_config import EngineConfig
-    from localrun.tune import engine_profile
+    from localrun.calibrate_engine import engine_profile
 
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[measured["dtype"]]
     profile = engine_profile(path)

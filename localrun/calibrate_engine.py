@@ -48,6 +48,15 @@ DECODE_REPEATS = 3            # quiet repeats per timing; the fastest counts
 PREFILL_REPEATS = 6
 QUIET_WAIT_S = 20.0           # the longest one repeat waits for other processes to leave the CPU
 
+
+def engine_profile(model_path):
+    """The file's profile as localrun's engine runs it: weights as stored (its kernels read the
+    file's blocks in place), q/k/v and gate/up fused into 4 matmul calls per layer."""
+    import layerplan
+    profile = layerplan.profile_gguf(model_path)
+    return replace(profile, layers=tuple(replace(layer, n_matmuls=FUSED_MATMULS_PER_LAYER) for layer in profile.layers))
+
+
 _request_ids = itertools.count()
 
 
@@ -249,7 +258,6 @@ def measure_engine(path, calibration, threads: int | None = None):
     from layerplan.calibrate import apply
     from layerplan.engine_fit import fit_host, residuals
     from layerplan.probe import probe_host
-    from localrun.tune import engine_profile
 
     timings, kv_type, other_cpu, all_quiet = measure_timings_in_new_process(path, threads)
     profile = engine_profile(path)

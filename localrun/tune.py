@@ -65,23 +65,13 @@ def best_row(rows: list[TuneRow]) -> TuneRow:
     return max((r for r in rows if r.decode_tok_s >= 0.97 * top), key=lambda r: r.prefill_tok_s)
 
 
-def engine_profile(model_path):
-    """The file's profile as localrun's engine runs it: weights as stored (its kernels read the
-    file's blocks in place), q/k/v and gate/up fused into 4 matmul calls per layer."""
-    from dataclasses import replace
-
-    import layerplan
-    from localrun.calibrate_engine import FUSED_MATMULS_PER_LAYER
-    profile = layerplan.profile_gguf(model_path)
-    return replace(profile, layers=tuple(replace(layer, n_matmuls=FUSED_MATMULS_PER_LAYER) for layer in profile.layers))
-
-
 def predicted(model_path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int) -> tuple[float | None, float | None]:
     """layerplan's (prefill, decode) tok/s for this placement, with this machine's calibration
     (`localrun plan MODEL --measure` calibrates it with the engine's own layers)."""
     try:
         import layerplan
         from layerplan import calibrate
+        from localrun.calibrate_engine import engine_profile
         local = layerplan.build_machine()
         machine = layerplan.build_machine(calibration=calibrate.load(local))
         plan = layerplan.plan(engine_profile(model_path), machine, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers,
