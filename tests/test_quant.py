@@ -20,6 +20,7 @@ from localrun.gguf_file import open_gguf
 from localrun.loader import file_tensor
 from localrun import kernels
 from localrun.model import quant
+from localrun.model import gguf_weight
 from localrun.model.gguf_weight import GGUFWeight
 from localrun.model.quant import (ConcatWeight, FileTensor, Int4Weight, Int8Weight, PlainWeight, int4_backend,
                                   int4_groups, int8_backend, make_weight)
@@ -114,6 +115,27 @@ def test_parts_of_different_types_fuse_in_place(tiny_gguf):
     expected = x @ torch.from_numpy(np.concatenate([q4.to_float(), q6.to_float()])).T
     assert float((w(x) - expected).norm() / expected.norm()) < 1e-2
     torch.testing.assert_close(w.dequantize(), torch.from_numpy(np.concatenate([q4.to_float(), q6.to_float()])))
+
+
+@needs_kernels
+@pytest.mark.parametrize("tile", [None, 16, 48])
+def test_prompt_rows_gemm_in_tiles_equals_whole_weight(tiny_gguf, monkeypatch, tile):
+    """Prompt rows (32 or more) go through the GEMM one dequantized tile of weight rows at a time,
+    written into their columns of the output; whatever the tile (the whole weight, 16 rows, 48
+    rows: parts cut unevenly), the result is the product with the whole dequantized weight."""
+    q4 = ffn_tensor(tiny_gguf("Q4_0"), "blk.0.attn_q.weight")
+    q6 = ffn_tensor(tiny_gguf("Q6_K"), "blk.0.attn_k.weight")
+    w = make_weight([q4, q6], torch.device("cpu"), torch.float32, quantized=True)
+    assert q4.shape[0] % 48 != 0
+    if tile:
+        monkeypatch.setattr(gguf_weight, "PROMPT_TILE_BYTES", 4 * w.k * tile)
+        assert gguf_weight.tile_rows(w.k) == tile
+    x = torch.randn(gguf_weight.PROMPT_GEMM_MIN_ROWS + 5, w.k, generator=torch.Generator().manual_seed(1))
+    whole = x @ torch.from_numpy(np.concatenate([q4.to_float(), q6.to_float()])).T
+    torch.testing.assert_close(w(x), whole, rtol=1e-5, atol=1e-5)
+    decode_rows = 3                                     # decode rows first, then the prompt rows
+    y = w(x, decode_rows=decode_rows)
+    torch.testing.assert_close(y[decode_rows:], whole[decode_rows:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
