@@ -11,7 +11,8 @@ before it (bisection on the model, which is monotone in each):
      attention differs);
   2. decode flop/s: `batch` sequences against one, at the short fill (their decode rows' matmuls
      and the head's rows differ; attention by the bandwidth just found);
-  3. per-layer overhead: one sequence through all layers against the first n_layers_short;
+  3. per-layer overhead (with every matmul call's fixed cost): one sequence through all layers
+     against the first n_layers_short;
   4. per-step overhead: the whole stack's decode step less its layers and head.
 
 The prompt figures act together in every prompt step, so they are solved together, by damped
@@ -114,9 +115,16 @@ class _Model:
 def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings) -> Device:
     """`host` with the figures that make the speed model reproduce the engine timings `t`:
     kv_bandwidth, decode_flops, layer_overhead_s, step_overhead_s, unpack_bandwidth, compute_flops,
-    causal_attention_flops and attention_flops (its memory bandwidth and matmul overhead stay as given)."""
+    causal_attention_flops and attention_flops (its memory bandwidth stays as given).
+
+    The matmul overhead goes to zero: the engine runs the same matmuls in every layer, so the fixed
+    cost of each call is part of what the per-layer overhead measures (and the head's, of the
+    per-step one), and the two cannot be told apart from these timings. Kept from the
+    micro-benchmarks (torch's matvec, not the engine's kernels) it can exceed what a whole layer
+    of the engine takes, and the model then predicts every decode step slower than measured
+    whatever the other figures are (docs/layerplan.md has the case)."""
     m = _Model(profile, kv_type)
-    h = replace(host, unpack_bandwidth=0.0)
+    h = replace(host, unpack_bandwidth=0.0, matmul_overhead_s=0.0)
     for _ in range(3):    # decode attention's roofline reads attention_flops, found last: go round again
         h = _fit_once(m, replace(h, layer_overhead_s=0.0, step_overhead_s=0.0), t)
     return h

@@ -268,6 +268,7 @@ def measure_engine(path, calibration, threads: int | None = None):
     return replace(
         calibration,
         host_layer_overhead_s=fitted.layer_overhead_s, host_step_overhead_s=fitted.step_overhead_s,
+        host_matmul_overhead_s=fitted.matmul_overhead_s,
         host_kv_bandwidth=fitted.kv_bandwidth, host_decode_flops=fitted.decode_flops,
         host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
