@@ -1,7 +1,7 @@
 """How well layerplan predicts the localrun engine: resident memory, decode and prefill speed.
 
-For SmolLM2-135M (Q4_1) on this CPU, at contexts 512 and 4096 and with 4 parallel sequences:
-the planner's prediction against a fresh engine process.
+For SmolLM2-135M (Q4_1; --model for another catalog model or GGUF file) on this CPU, at contexts
+512 and 4096 and with 4 parallel sequences: the planner's prediction against a fresh engine process.
 
 - Memory: the engine's memory ledger (layerplan.ledger: weights memory-mapped or copied as the
   engine holds them, the KV pool, the tokenizer) against RSS after loading and *filling every
@@ -36,7 +36,7 @@ read after the first pass. The calibration waits, repeats and chooses the same w
 Each ratio is measured over predicted. Targets (issue 20): memory 0.95-1.05; decode and prefill
 0.87-1.15 after --measure on a quiet machine. Prints a table, then one JSON object as the last line.
 
-    .venv/bin/python benchmarks/plan_accuracy.py [--runs 512x1 4096x1 512x4] [--tokens 32] [--passes 8]
+    .venv/bin/python benchmarks/plan_accuracy.py [--model gemma3-270m] [--runs 512x1 4096x1 512x4] [--tokens 32] [--passes 8]
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ import time
 
 from localrun.cpu_info import cpu_info
 
-MODEL = "smollm2-135m"
+DEFAULT_MODEL = "smollm2-135m"
 QUIET_WAIT_S = 60.0     # the longest a pass waits for other processes to leave the CPU
 TEXT = ("The history of the city begins with a small settlement on an island in the river, where "
         "fishermen and traders built their houses and a wall to keep them safe. ")
@@ -167,6 +167,8 @@ def _parse_run(text: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a catalog name or a GGUF path "
+                        f"(default {DEFAULT_MODEL})")
     parser.add_argument("--runs", nargs="+", default=["512x1", "4096x1", "512x4"], help="CTXxPARALLEL")
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate per sequence")
     parser.add_argument("--passes", type=int, default=8, help="passes per run; of the quiet ones the fastest "
@@ -187,7 +189,8 @@ def main() -> None:
     from localrun.api import default_dtype, default_threads
     from localrun.models import pull
 
-    path = pull(MODEL, quiet=True)
+    path = args.model if os.path.isfile(args.model) else pull(args.model, quiet=True)
+    name = os.path.basename(args.model).removesuffix(".gguf")
     threads = args.threads or default_threads()
     dtype = str(default_dtype()).removeprefix("torch.")
     local = layerplan.Machine(gpus=(), host=probe_host())
@@ -211,7 +214,7 @@ def main() -> None:
     mib = 1 << 20
     load = os.getloadavg()[0]
     c = calibration
-    print(f"layerplan vs the localrun engine: {MODEL}, {rows[0]['measured']['dtype']}, {threads} threads; "
+    print(f"layerplan vs the localrun engine: {name}, {rows[0]['measured']['dtype']}, {threads} threads; "
           f"load {load:.2f}; host measured in {c.dtype} via {c.backend} ({measure_s:.0f} s, {c.load_note}"
           f"{'' if saved else ', SUSPECT: not saved'}): {c.host_bandwidth / 1e9:.1f} GB/s, "
           f"{c.host_matmul_overhead_s * 1e6:.0f} us per matvec, prompt {c.host_flops / 1e9:.1f} GFLOP/s, "
@@ -229,7 +232,7 @@ def main() -> None:
     quiet_runs = all(r["measured"]["quiet"] for r in rows) and not c.suspect
     print(json.dumps({
         "cpu": cpu_info(), "load_1m": round(load, 2),
-        "model": MODEL, "dtype": rows[0]["measured"]["dtype"], "threads": threads,
+        "model": name, "dtype": rows[0]["measured"]["dtype"], "threads": threads,
         "calibration": {"dtype": c.dtype, "backend": c.backend, "suspect": c.suspect,
                         "other_cpu": None if c.other_cpu is None else round(c.other_cpu, 2),
                         "load_before": round(c.load_before, 2), "load_after": round(c.load_after, 2),

@@ -16,7 +16,8 @@ from localrun.engine.llm_engine import LLMEngine
 from localrun.engine.paged_kv import PagedKVCache
 from localrun.errors import UserError
 from localrun.model.kv_cache import ContiguousKVCache
-from localrun.model.llama import Segment
+from localrun.engine.model_runner import shared_prefixes
+from localrun.model.llama import Attention, Segment, SharedPrefix
 from localrun.runner import SequenceRunner
 from localrun.sampling import SamplingParams
 from fidelity import fidelity
@@ -223,6 +224,76 @@ def test_prefix_cache_serves_the_shared_blocks_of_a_second_request(model):
     assert engine.stats()["prefix_cache_hit_tokens"] == 32
     assert a.generated_token_ids == solo(model, first, GREEDY)
     assert b.generated_token_ids == solo(model, second, GREEDY)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "int8"])
+def test_prompt_chunks_on_shared_cached_blocks_attend_them_once_with_the_same_result(model, kv_type):
+    """Cascade attention: two prompt chunks whose tables start with the same two cached blocks,
+    one right after them (causal over its own keys) and one two tokens later (masked), attend
+    the shared keys in one call; their logits equal each chunk attended alone over its gathered
+    prefix, to float32 rounding."""
+    ids = random_ids(8, seed=40)
+    b_ids, c_ids = random_ids(5, seed=41), random_ids(4, seed=42)
+    cache = paged_cache(model, kv_type)
+    a = cache.sequence_view([7, 3])
+    b, c = cache.sequence_view([7, 3, 11, 5]), cache.sequence_view([7, 3, 9, 20])
+    teacher_forced_logits(model, ids, cache, [8], view=a)                       # the shared prefix
+    model(torch.tensor(c_ids[:2]), torch.arange(8, 10), [Segment(0, 2, 8, c)])  # c's own cached tokens
+
+    def step(shared):
+        tokens = torch.tensor(b_ids + c_ids[2:])
+        positions = torch.cat([torch.arange(8, 13), torch.arange(10, 12)])
+        return model(tokens, positions, [Segment(0, 5, 8, b, shared=shared), Segment(5, 2, 10, c, shared=shared)])
+
+    alone = step(None)
+    calls = []
+    real = Attention._attend_shared
+    try:
+        Attention._attend_shared = lambda self, *args: calls.append(self.layer) or real(self, *args)
+        together = step(SharedPrefix(8))
+    finally:
+        Attention._attend_shared = real
+    assert calls == list(range(model.config.n_layers))
+    assert torch.allclose(together, alone, atol=1e-5), (together - alone).abs().max()
+
+
+def test_shared_prefixes_groups_prompt_chunks_on_the_same_leading_cached_blocks():
+    from types import SimpleNamespace as NS
+
+    def entry(table, start, prefill=True, drafts=0):
+        return NS(seq=NS(block_table=table), start_position=start, is_prefill=prefill, num_draft_tokens=drafts)
+
+    entries = [entry([1, 2, 3, 4], 8, prefill=False),   # a decode: never shares
+               entry([1, 2, 5], 8), entry([1, 2, 6, 7], 13), entry([1, 9, 8], 9),   # share block 1 only
+               entry([4, 2, 6], 8),                     # alone on its first block
+               entry([10, 11, 12], 10), entry([10, 11, 13], 3),   # the second chunk's tokens start in block 10
+               entry([20, 21], 8), entry([20, 21, 22], 8, prefill=False, drafts=2)]   # a verify entry: never shares
+    got = shared_prefixes(entries, block_size=4)
+    assert sorted(got) == [1, 2, 3]
+    assert got[1] is got[2] is got[3] and got[1].num_tokens == 4
+    entries[3] = entry([1, 2, 8], 9)                     # now all three share blocks 1 and 2
+    got = shared_prefixes(entries, block_size=4)
+    assert sorted(got) == [1, 2, 3] and got[1].num_tokens == 8
+
+
+def test_shared_cached_prefix_in_one_engine_step_keeps_every_output(model):
+    """Three requests on one cached prefix, prefilled in the same step (cascade attention),
+    generate what each generates alone."""
+    engine = make_engine(model, block_size=4, max_num_seqs=5, max_num_batched_tokens=64)
+    prefix = random_ids(13, seed=50)
+    (first,) = run_all(engine, [prefix + random_ids(2, 51)], GREEDY)
+    prompts = [prefix + random_ids(n, 52 + n) for n in (1, 4, 7)]
+    seen = []
+    real = Attention._attend_shared
+    try:
+        Attention._attend_shared = lambda self, q, k, v, segs: seen.append(len(segs)) or real(self, q, k, v, segs)
+        seqs = run_all(engine, prompts, GREEDY)
+    finally:
+        Attention._attend_shared = real
+    assert seen and set(seen) == {3}
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.timeline.num_cached_tokens == 12
+        assert seq.generated_token_ids == solo(model, prompt, GREEDY)
 
 
 def test_chat_turn_two_reuses_turn_one_prompt_and_reply(model):

@@ -19,7 +19,7 @@ from localrun.engine.paged_kv import PagedKVCache
 from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
 from localrun.engine.speculative import verify_draft
-from localrun.model.llama import PagedRows, Segment, Transformer
+from localrun.model.llama import PagedRows, Segment, SharedPrefix, Transformer
 from localrun.sampling import SamplingParams, make_generator, sample
 
 DEFAULT_PARAMS = SamplingParams()
@@ -34,6 +34,29 @@ def num_decode_rows(batch: Batch) -> int:
             break
         n += entry.num_new_tokens
     return n
+
+
+def shared_prefixes(entries, block_size: int, min_blocks: int = 1) -> dict[int, SharedPrefix]:
+    """Entry index -> the SharedPrefix it takes part in: prompt chunks of the batch whose block
+    tables start with the same blocks, wholly before each chunk's new tokens (cached: a prefix
+    hit they all took), at least min_blocks of them, two chunks or more. Those positions are
+    attended once for all the chunks' rows (cascade attention, Attention._attend_shared).
+    Decode and verify rows never share: their rounding must not depend on the batch."""
+    by_first: dict[int, list[int]] = {}
+    for i, e in enumerate(entries):
+        if e.is_prefill and not e.num_draft_tokens and e.start_position >= block_size * min_blocks:
+            by_first.setdefault(e.seq.block_table[0], []).append(i)
+    shared: dict[int, SharedPrefix] = {}
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        tables = [entries[i].seq.block_table for i in members]
+        n = min(entries[i].start_position for i in members) // block_size
+        n = next((j for j in range(n) if any(t[j] != tables[0][j] for t in tables)), n)
+        if n >= min_blocks:
+            prefix = SharedPrefix(n * block_size)
+            shared.update((i, prefix) for i in members)
+    return shared
 
 
 class ModelRunner:
@@ -66,15 +89,18 @@ class ModelRunner:
 
     def segments(self, batch: Batch, first_row: int = 0) -> list[Segment]:
         """One Segment per entry from row first_row on (the rows before it are attended by the
-        paged kernel): its rows of the flat batch and its view of the KV pool."""
+        paged kernel): its rows of the flat batch and its view of the KV pool; prompt chunks
+        that hold the same cached blocks share them (`shared_prefixes`)."""
         starts, segments = batch.query_start_locs(), []
+        shared = shared_prefixes(batch.entries, self.kv_cache.block_size)
         for i, e in enumerate(batch.entries):
             if starts[i] < first_row:
                 continue
             local = self.local_block_tables(e.seq) if self.local_block_tables else None
             view = self.kv_cache.sequence_view(e.seq.block_table, local)
             rowwise = bool(e.num_draft_tokens) and self.verify_as_decodes
-            segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view, rowwise))
+            segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view, rowwise,
+                                    shared=shared.get(i)))
         return segments
 
     def forward(self, batch: Batch) -> torch.Tensor:

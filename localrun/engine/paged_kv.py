@@ -352,20 +352,21 @@ class PagedSequenceView:
         bs = self.cache.block_size
         return max(0, start - self.cache.sliding_window + 1) // bs * bs
 
-    def plan(self, layer: int, start: int, end: int) -> AccessPlan:
-        """How positions start..end-1 are written and 0..end-1 read on the layer's device (in a
-        local layer, from the first block the window reaches). Computed by the first layer of a
-        forward, reused by the others."""
+    def plan(self, layer: int, start: int, end: int, first: int = 0) -> AccessPlan:
+        """How positions start..end-1 are written and first..end-1 read on the layer's device (in a
+        local layer, from the first block the window reaches; `first` is a multiple of the block
+        size). Computed by the first layer of a forward, reused by the others."""
         device = self.cache.devices[layer]
         local = self.cache.is_local(layer)
-        key = (device, start, end, local)
+        key = (device, start, end, local, first)
         if key not in self._plans:
             bs = self.cache.block_size
             table = self.local_block_table if local else self.block_table
             assert end <= len(table) * bs, "positions past the allocated blocks"
+            assert first % bs == 0 and first <= start, "a read from a block's start, before the new tokens"
             positions = torch.arange(start, end)
             slots = table[positions // bs] * bs + positions % bs                    # (t,)
-            first = self.first_position(layer, start) // bs
+            first = max(first, self.first_position(layer, start)) // bs
             blocks = table[first:-(-end // bs)]                                     # (nb,)
             assert bool((blocks >= 0).all()), "a block the window reaches was freed"
             first_block, first_slot = int(blocks[0]), None
@@ -377,14 +378,32 @@ class PagedSequenceView:
             self._plans[key] = AccessPlan(target, blocks, first_slot)
         return self._plans[key]
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, first: int = 0):
         """Write k, v (t, n_kv, hd) at positions start..start+t-1 and return this layer's keys
-        and values for positions first_position(layer, start)..start+t-1 (0.. but in a local
-        layer) as (n_kv, L, hd)."""
+        and values for positions first..start+t-1 (from first_position(layer, start) on in a local
+        layer) as (n_kv, L, hd). first: 0, or a multiple of the block size up to start (the
+        positions before it are read once for several sequences, `read`)."""
         end = start + k.shape[0]
-        target, blocks, first_slot = self.plan(layer, start, end)
+        target, blocks, first_slot = self.plan(layer, start, end, first)
         self.cache.write(layer, target, k, v)
-        num_tokens = end - self.first_position(layer, start)     # a local layer reads its window only
+        num_tokens = end - max(first, self.first_position(layer, start))   # a local layer reads its window only
         if first_slot is not None:
             return self.cache.read_slots(layer, first_slot, num_tokens)
         return self.cache.gather(layer, blocks, num_tokens)
+
+    def read(self, layer: int, end: int):
+        """This layer's keys and values for positions 0..end-1 (already written; `end` a
+        multiple of the block size; not for a local layer) as (n_kv, end, hd)."""
+        bs = self.cache.block_size
+        assert end % bs == 0 and not self.cache.is_local(layer)
+        key = (self.cache.devices[layer], "read", end)
+        if key not in self._plans:
+            blocks = self.block_table[:end // bs]
+            first_block, first_slot = int(blocks[0]), None
+            if self.cache.slice_fast_path and torch.equal(blocks, torch.arange(first_block, first_block + len(blocks))):
+                first_slot = first_block * bs
+            self._plans[key] = AccessPlan(None, blocks.to(self.cache.devices[layer]), first_slot)
+        _, blocks, first_slot = self._plans[key]
+        if first_slot is not None:
+            return self.cache.read_slots(layer, first_slot, end)
+        return self.cache.gather(layer, blocks, end)

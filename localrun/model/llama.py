@@ -41,6 +41,16 @@ class Segment:
     cache: object          # has .update(layer, start, k, v) -> (k_all, v_all), (n_kv, L, hd)
     rowwise: bool = False
     window_caches: dict | None = None   # local layer -> cache holding the last `window` positions only
+    shared: "SharedPrefix | None" = None   # cached positions this segment shares with others of the batch
+
+
+@dataclass(eq=False)
+class SharedPrefix:
+    """Positions 0..num_tokens-1 (whole blocks), held by the same blocks in the tables of several
+    prompt chunks of one batch (a prefix-cache hit they all took): attended once for all their
+    rows (cascade attention), not gathered and attended again per sequence. The segments of one
+    group hold the same SharedPrefix object."""
+    num_tokens: int
 
 
 @dataclass
@@ -146,14 +156,64 @@ class Attention(nn.Module):
                                                       paged.row_seq, paged.row_len, paged.block_size,
                                                       self.window or 0, k_scale, v_scale)   # (n, H, hd)
             if segments:            # the prompt chunks after those rows
-                out = torch.cat([out] + [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
-                                                      v[s.start:s.start + s.length], s) for s in segments])
+                out = torch.cat([out] + self._attend_segments(q, k, v, segments))
         elif len(segments) == 1:
             out = self._attend(q, k, v, segments[0])
         else:
-            out = torch.cat([self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
-                                          v[s.start:s.start + s.length], s) for s in segments])
+            out = torch.cat(self._attend_segments(q, k, v, segments))
         return self.wo(out.reshape(T, H * self.head_dim), decode_rows)
+
+    def _attend_segments(self, q, k, v, segments: list[Segment]) -> list[torch.Tensor]:
+        """Each segment's attention output (t, H, hd), in order; the segments of a shared prefix
+        together (cascade attention, CPU, whole-context layers), the others one by one."""
+        outs: dict[int, torch.Tensor] = {}
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(segments):
+            if s.shared is not None and self.window is None and q.device.type == "cpu":
+                groups.setdefault(id(s.shared), []).append(i)
+            else:
+                outs[i] = self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
+                                       v[s.start:s.start + s.length], s)
+        for members in groups.values():
+            group = [segments[i] for i in members]
+            for i, out in zip(members, self._attend_shared(q, k, v, group)):
+                outs[i] = out
+        return [outs[i] for i in range(len(segments))]
+
+    def _attend_shared(self, q, k, v, segments: list[Segment]) -> list[torch.Tensor]:
+        """Cascade attention: the rows of all `segments` over their shared cached prefix (keys
+        0..C-1) in one call, each segment's rows over its own keys C.. in another, merged by
+        their log-sum-exps. Softmax over the union of two key sets is the two partial softmaxes
+        weighted by e^lse each, so the result is the masked attention of `_attend` (to float32
+        rounding) without gathering the prefix once per sequence."""
+        H, n_kv, hd = self.n_head, self.n_head_kv, self.head_dim
+        G, C = H // n_kv, segments[0].shared.num_tokens
+        rows = torch.cat([q[s.start:s.start + s.length] for s in segments])          # (R, H, hd)
+        R = rows.shape[0]
+        k_pre, v_pre = segments[0].cache.read(self.layer, C)                          # (n_kv, C, hd)
+        # grouped query heads fold into rows: head h = g * G + j reads KV head g, and no mask
+        # ties a row to its position, so all R * G rows of KV head g attend in one batch entry
+        folded = rows.view(R, n_kv, G, hd).permute(1, 2, 0, 3).reshape(1, n_kv, G * R, hd)
+        o_pre, lse_pre = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(folded, k_pre[None], v_pre[None])
+        o_pre = o_pre.reshape(n_kv, G, R, hd).permute(2, 0, 1, 3).reshape(R, H, hd)
+        lse_pre = lse_pre.reshape(n_kv, G, R).permute(2, 0, 1).reshape(R, H)
+        o_own, lse_own = [], []
+        for s in segments:
+            rows_s = slice(s.start, s.start + s.length)
+            k_s, v_s = s.cache.update(self.layer, s.cache_start, k[rows_s], v[rows_s], first=C)  # (n_kv, L - C, hd)
+            t, n = s.length, k_s.shape[1]
+            # query i (position cache_start + i) sees keys up to n - t + i: -inf above that
+            mask = None if n == t else torch.full((t, n), float("-inf"), dtype=q.dtype, device=q.device).triu(n - t + 1)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[rows_s].transpose(0, 1)[None], k_s.repeat_interleave(G, 0)[None], v_s.repeat_interleave(G, 0)[None],
+                is_causal=mask is None, attn_mask=mask)
+            o_own.append(o[0].transpose(0, 1))                                        # (t, H, hd)
+            lse_own.append(lse[0].transpose(0, 1))                                    # (t, H)
+        o_own, lse_own = torch.cat(o_own), torch.cat(lse_own)
+        top = torch.maximum(lse_pre, lse_own)
+        w_pre, w_own = torch.exp(lse_pre - top)[..., None], torch.exp(lse_own - top)[..., None]
+        out = (o_pre.float() * w_pre + o_own.float() * w_own) / (w_pre + w_own)
+        return list(out.to(q.dtype).split([s.length for s in segments]))
 
     def _attend(self, q, k, v, seg: Segment) -> torch.Tensor:
         """Causal attention of one segment's queries over its cached prefix plus itself (over
