@@ -11,7 +11,8 @@ holds it (not as the file stores it).
 - The KV pool per device: the engine reserves n_parallel x ctx tokens in blocks of 16 with
   torch.empty, so its pages are committed as tokens are written; the ledger counts the whole
   pool (what a filled context holds).
-- Compute buffers (layerplan.buffers), the CUDA context on each GPU in use.
+- Compute buffers (layerplan.buffers), but for the output head's: the engine projects only the
+  rows it samples (one per sequence), not a whole prompt step's; the CUDA context on each GPU in use.
 - The tokenizer on the host: llama.cpp's vocabulary (token texts, scores, maps, BPE merge ranks)
   and localrun's two piece tables. Measured with llama-cpp-python 0.3.36 (2026-12-01): 172 bytes
   per token and 203 per merge in llama.cpp, 93 per token for the piece tables (SmolLM2-135M:
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from layerplan.buffers import CUDA_CONTEXT_BYTES
+from layerplan.buffers import CUDA_CONTEXT_BYTES, head_buffer_bytes
 from layerplan.ggml_types import GGML_TYPES_BY_NAME
 from layerplan.gguf_header import GGUFHeader, LongArray, TensorInfo, read_header
 from layerplan.kv_cache import ENGINE_KV_TYPES, KV_ALIASES, engine_kv_bytes_per_value, layer_kv_tokens
@@ -152,8 +153,16 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
             items.append(LedgerItem(k, f"KV pool ({settings.n_ctx} x {settings.n_parallel} tokens)", n_bytes))
     for k, usage in enumerate(placement.usage):
         cuda = CUDA_CONTEXT_BYTES if k != host and usage.buffer_bytes else 0
-        if usage.buffer_bytes - cuda:
-            items.append(LedgerItem(k, "compute buffers", usage.buffer_bytes - cuda))
+        buffers = usage.buffer_bytes - cuda
+        if k == placement.head_device and buffers:
+            # the plan sizes the head's buffer as llama.cpp reserves it, logits for a whole ubatch
+            # (2 GiB for a 262k vocabulary at 2048 tokens); the engine projects only the rows it
+            # samples, one per sequence, into logits the host's buffers already count
+            buffers -= head_buffer_bytes(profile, settings)
+            if k != host:     # on a GPU: computed there, then copied to the host's
+                buffers += settings.n_parallel * profile.n_vocab * F32
+        if buffers:
+            items.append(LedgerItem(k, "compute buffers", buffers))
         if cuda:
             items.append(LedgerItem(k, "CUDA context", cuda))
     items.append(LedgerItem(host, "tokenizer (vocabulary and tables)", _tokenizer_bytes(header, profile.n_vocab)))

@@ -85,6 +85,23 @@ def test_gpu_layers_are_copied_and_pay_the_cuda_context(tiny_gguf):
     assert host["draft model llama2-7b:q4_0 (weights and KV)"] == draft.weight_bytes + 32 * 256 * 32 * 256 * 2
 
 
+@pytest.mark.parametrize("n_gpu_layers", [0, 3])
+def test_compute_buffers_hold_logits_for_the_sampled_rows_only(tiny_gguf, n_gpu_layers):
+    """The plan sizes the head's buffer for a whole prompt step's logits (llama.cpp's worst case);
+    the engine projects one row per sequence: on the host those are the logits its buffers hand
+    back already, on a GPU they are computed there first."""
+    path = tiny_gguf("Q8_0", n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320)
+    profile = layerplan.profile_gguf(path)
+    machine = layerplan.build_machine(vram=["8GiB"], ram="8GiB", probe_gpus=False)
+    plan = layerplan.plan(profile, machine, n_ctx=256, n_parallel=3, n_gpu_layers=n_gpu_layers, n_ubatch=512)
+    head = plan.placement.head_device
+    assert head == (0 if n_gpu_layers else 1)
+    planned = plan.placement.usage[head].buffer_bytes - (384 * MiB if n_gpu_layers else 0)
+    got = {i.what: i.n_bytes for i in engine_ledger(plan).items if i.device == head}
+    expected = planned - 512 * 320 * 4 + (3 * 320 * 4 if n_gpu_layers else 0)
+    assert got["compute buffers"] == expected
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from localrun.models import pull
