@@ -64,7 +64,7 @@ def test_allocate_fresh_sequence():
     assert (bm.num_used_blocks, bm.num_free_blocks, bm.num_cached_blocks) == (3, 5, 0)
     assert seq.num_computed_tokens == seq.num_cached_tokens == 0
     assert bm.stats.num_misses == 2   # full blocks among the first 9 tokens
-    assert bm.slot_mapping(seq, 6, 4) == [6, 7, 8, 9]
+    assert slot_mapping(seq.block_table, bm.block_size, 6, 4) == [6, 7, 8, 9]
 
 
 def test_prefix_hit_shares_blocks_and_stops_at_first_mismatch():
@@ -222,7 +222,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def write(self, seq, num_tokens):
         """Fake forward: write (token, position) to each new slot, never into a shared block."""
         start = seq.num_computed_tokens
-        for p, slot in zip(range(start, start + num_tokens), self.bm.slot_mapping(seq, start, num_tokens)):
+        for p, slot in zip(range(start, start + num_tokens), slot_mapping(seq.block_table, self.bm.block_size, start, num_tokens)):
             block = self.bm.blocks[slot // self.bm.block_size]
             assert block.ref_count == 1 and block.block_hash is None, "write into a shared block"
             self.kv[slot] = (seq.token_ids[p], p)

@@ -17,7 +17,7 @@ from localrun.api import LLM
 from localrun.engine.draft_model import check_vocab_compatible, self_draft
 from localrun.engine.llm_engine import LLMEngine
 from localrun.engine.spec_control import AdaptiveController, StepCostModel, expected_tokens
-from localrun.engine.speculative import NgramProposer, SpeculativeConfig, reference_ngram_propose, verify_draft
+from localrun.engine.speculative import NgramProposer, SpeculativeConfig, verify_draft
 from localrun.errors import UserError
 from localrun.sampling import SamplingParams
 
@@ -68,6 +68,21 @@ def chi_square_p(a: Counter, b: Counter | dict, *, expected: bool = False, min_c
 
 
 # --- prompt lookup ------------------------------------------------------------------------------
+def reference_ngram_propose(token_ids: list[int], k: int, ngram_min: int, ngram_max: int,
+                            policy: str) -> list[int]:
+    """NgramProposer.propose in plain Python loops: the reference."""
+    L = len(token_ids)
+    sizes = [ngram_min] if policy == "recent" else range(ngram_max, ngram_min - 1, -1)
+    for n in sizes:
+        if n > L - 1:
+            continue
+        suffix = token_ids[L - n:]
+        for i in range(L - n - 1, -1, -1):
+            if token_ids[i:i + n] == suffix:
+                return token_ids[i + n:i + n + k]
+    return []
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 3), st.integers(0, 3),
        st.integers(1, 6), st.sampled_from(["longest", "recent"]))

@@ -393,10 +393,6 @@ class BlockManager:
                 del self.cached_block_ids[tail.block_hash]
                 tail.block_hash, tail.token_ids, tail.tier = None, (), None
 
-    def slot_mapping(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
-        """Physical KV slot of each of seq's tokens at positions start .. start + num_tokens - 1."""
-        assert start + num_tokens <= len(seq.block_table) * self.block_size, "slots not allocated"
-        return slot_mapping(seq.block_table, self.block_size, start, num_tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. to benchmark without the cache)."""

@@ -133,8 +133,7 @@ class LLMEngine:
             self.block_manager.lower_tiers.append(self.disk_cache)
         scheduler_config = engine_config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids), clock)
-        self.runner = ModelRunner(model, self.kv_cache, batch_invariant_decode=speculative is not None,
-                                  local_block_tables=self.block_manager.local_block_table
+        self.runner = ModelRunner(model, self.kv_cache, local_block_tables=self.block_manager.local_block_table
                                   if self.num_local_blocks else None)
         self.speculator = None if speculative is None else make_speculator(
             speculative, model, max_model_len=self.max_model_len, draft_model=draft_model)

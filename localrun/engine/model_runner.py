@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from localrun.engine.block_manager import slot_mapping
 from localrun.engine.paged_kv import PagedKVCache
 from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
@@ -66,16 +67,11 @@ class ModelRunner:
     once under a mask rounds differently (about 1e-5 in float32), and the bfloat16
     activations of the quantized kernels can grow that into a different argmax at a near-tie:
     greedy output would then differ from plain decoding.
-    batch_invariant_decode: kept for callers; decode and verify rows now always go through the
-    quantized weights the same way in any batch (the model's `decode_rows`), so a sequence's
-    output does not depend on how many rows share
-    its steps. The engine turns it on when it speculates (a verify step adds rows, which must
-    not change the result); plain batched decoding, like the peers', does without it, since it
-    makes a mixed step (16 decodes beside a 496-row prompt chunk) about 19% slower per layer,
-    and a decode-only step of 40 rows 2.2x slower, on a 2-core AVX2 CPU."""
+    Decode and verify rows go through the quantized weights the same way in any batch (the
+    model's `decode_rows`: the integer kernel computes every row on its own), so a sequence's
+    output does not depend on how many rows share its steps, speculating or not."""
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache, verify_as_decodes: bool = True,
-                 batch_invariant_decode: bool = False,
                  local_block_tables: Callable[[Sequence], list[int]] | None = None):
         """local_block_tables: a sequence's table in the local layers' pool, where the pool has
         one (BlockManager.local_block_table)."""
@@ -83,7 +79,6 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.local_block_tables = local_block_tables
         self.verify_as_decodes = verify_as_decodes
-        self.batch_invariant_decode = batch_invariant_decode
         self.input_device = model.tok_embeddings.device
         self.generators: dict[str, torch.Generator] = {}   # request_id -> its sampler's RNG
 
@@ -125,21 +120,17 @@ class ModelRunner:
         width = max(len(e.seq.block_table) for e in entries)
         tables = torch.tensor([e.seq.block_table + [0] * (width - len(e.seq.block_table)) for e in entries],
                               dtype=torch.long)                                   # (S, width), padded
-        slots, row_seq, row_len = [], [], []
-        for i, e in enumerate(entries):
-            table = e.seq.block_table
-            for p in range(e.start_position, e.start_position + e.num_new_tokens):
-                slots.append(table[p // bs] * bs + p % bs)
-                row_seq.append(i)
-                row_len.append(p + 1)
-        assert len(slots) == num_rows
+        slots = batch.slot_mapping()[:num_rows]     # the leading rows' entries come first
+        row_seq = [i for i, e in enumerate(entries) for _ in range(e.num_new_tokens)]
+        row_len = [p + 1 for e in entries for p in range(e.start_position, e.end_position)]
+        assert len(row_seq) == num_rows
         local_slots = local_tables = None
         if self.local_block_tables is not None:     # the same rows' slots in the local layers' pool
             local = [self.local_block_tables(e.seq) for e in entries]
             local_width = max(len(t) for t in local)
             local_tables = torch.tensor([t + [-1] * (local_width - len(t)) for t in local], dtype=torch.long)
-            local_slots = torch.tensor([local[i][p // bs] * bs + p % bs for i, e in enumerate(entries)
-                                        for p in range(e.start_position, e.start_position + e.num_new_tokens)])
+            local_slots = torch.tensor([s for t, e in zip(local, entries)
+                                        for s in slot_mapping(t, bs, e.start_position, e.num_new_tokens)])
         scales = self.kv_cache.scales if self.kv_cache.quantized else None   # int8/fp8: the kernel writes them too
         return PagedRows(num_rows, torch.tensor(slots), tables, torch.tensor(row_seq), torch.tensor(row_len), bs,
                          self.kv_cache.float_pools, local_slots, local_tables, scales)

@@ -16,8 +16,8 @@ the prior's best k. Where it does not, it probes: it drafts the fewest tokens wh
 (all accepted) pays, usually 1, and that verify step's evidence decides from then on; k
 grows as the acceptance does. Planning from the prior alone would never draft wherever a
 verify step costs more than 1.9x a plain one: no evidence could ever overturn it. That is
-the case on a 2-core AVX2 CPU, where torch's int4 kernel costs about 0.48x a plain step per
-extra row (5 rows: 2.9x one), so a failed probe of 4 drafts would cost ~1.9 plain steps and
+the case wherever the matmuls are compute-bound at a few rows: if, say, each extra row costs
+0.48x a plain step (5 rows: 2.9x one), a failed probe of 4 drafts costs ~1.9 plain steps and
 one of 1 draft ~0.4.
 
 Two switches follow from it:

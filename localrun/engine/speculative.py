@@ -125,21 +125,6 @@ class NgramProposer:
         return []
 
 
-def reference_ngram_propose(token_ids: list[int], k: int, ngram_min: int, ngram_max: int,
-                            policy: str) -> list[int]:
-    """NgramProposer.propose in plain Python loops (the reference its test compares against)."""
-    L = len(token_ids)
-    sizes = [ngram_min] if policy == "recent" else range(ngram_max, ngram_min - 1, -1)
-    for n in sizes:
-        if n > L - 1:
-            continue
-        suffix = token_ids[L - n:]
-        for i in range(L - n - 1, -1, -1):
-            if token_ids[i:i + n] == suffix:
-                return token_ids[i + n:i + n + k]
-    return []
-
-
 def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: int = 3,
                             rowwise: bool = False) -> float:
     """Seconds of one forward of num_tokens tokens after `context` cached ones, on a scratch

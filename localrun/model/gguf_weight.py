@@ -10,7 +10,8 @@ memory grows only by the pages a forward touches, and processes share the page c
   float32 a tile of rows at a time (PROMPT_TILE_BYTES) and multiplied by torch's GEMM into its
   columns of the output, several times faster there (docs/kernels.md). The tile stays in cache
   and its buffer is reused from the heap: a whole weight dequantized at once (7-32 MB) came from
-  fresh pages on every call (thousands of page faults each) and ran 17-38% slower on Zen 3. Both compute the same product up to summation order, with no rounding
+  fresh pages on every call (thousands of page faults each) and ran slower (figures in
+  docs/kernels.md). Both compute the same product up to summation order, with no rounding
   step in between, so a prompt split into other chunks (a prefix cache hit, a restart from the
   disk cache) gives the same text. Rounding prompt activations to 8 bits instead made such
   splits differ by ~1e-3 (one activation code flipping), enough to change greedy text at
