@@ -88,6 +88,14 @@ def kv_bytes_per_token(profile: "ModelProfile", kv: KVType | str = "f16") -> int
     return round(sum(layer_kv_bytes_per_token(layer, kv) for layer in profile.layers))
 
 
+def num_window_blocks(sliding_window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks of the engine's pool for its sliding-window layers (localrun/engine/window_blocks.py),
+    one that never limits the scheduler: every running sequence's window (plus a partly filled
+    block on each side) and one step's new tokens."""
+    per_sequence = -(-(sliding_window - 1) // block_size) + 2
+    return max_num_seqs * per_sequence + -(-max_num_batched_tokens // block_size)
+
+
 def layer_kv_tokens(layer: "LayerProfile", n_ctx: int, n_parallel: int) -> int:
     """Token slots a layer's cache holds: n_ctx per sequence, or the sliding window if smaller."""
     per_sequence = min(n_ctx, layer.sliding_window) if layer.sliding_window else n_ctx

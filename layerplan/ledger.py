@@ -10,7 +10,8 @@ holds it (not as the file stores it).
   the token table.
 - The KV pool per device: the engine reserves n_parallel x ctx tokens in blocks of 16 with
   torch.empty, so its pages are committed as tokens are written; the ledger counts the whole
-  pool (what a filled context holds).
+  pool (what a filled context holds). Sliding-window layers have a pool of their own, sized by
+  the window and the prompt step (engine_kv_tokens).
 - Compute buffers (layerplan.buffers), but for the output head's: the engine projects only the
   rows it samples (one per sequence), not a whole prompt step's; the CUDA context on each GPU in use.
 - The tokenizer on the host: llama.cpp's vocabulary (token texts, scores, maps, BPE merge ranks)
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from layerplan.buffers import CUDA_CONTEXT_BYTES, head_buffer_bytes
 from layerplan.ggml_types import GGML_TYPES_BY_NAME
 from layerplan.gguf_header import GGUFHeader, LongArray, TensorInfo, read_header
-from layerplan.kv_cache import ENGINE_KV_TYPES, KV_ALIASES, engine_kv_bytes_per_value, layer_kv_tokens
+from layerplan.kv_cache import (ENGINE_KV_TYPES, KV_ALIASES, engine_kv_bytes_per_value, layer_kv_tokens,
+                                num_window_blocks)
 from layerplan.model_profile import ModelProfile
 
 # GGML types localrun's compiled kernels multiply in place (localrun/kernels KERNEL_TYPES)
@@ -125,6 +127,18 @@ def engine_kv_type(plan_kv_type: str) -> str | None:
     return "int8" if name == "q8_0" else name if name in ENGINE_KV_TYPES else None
 
 
+def engine_kv_tokens(layer, settings) -> int:
+    """Token slots of a layer's KV that the engine's sequences fill: n_ctx each. A sliding-window
+    layer's pool (num_window_blocks: the windows, a block either side, and one prompt step's
+    tokens) keeps blocks that leave a window as prefix cache until it runs out of free ones, so
+    sequences that fill their contexts commit up to the whole pool, not just their windows."""
+    tokens = settings.n_ctx * settings.n_parallel
+    if not layer.sliding_window:
+        return tokens
+    pool = num_window_blocks(layer.sliding_window, KV_BLOCK_SIZE, settings.n_parallel, settings.n_ubatch)
+    return min(tokens, pool * KV_BLOCK_SIZE)
+
+
 def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
     """The ledger of `plan` (layerplan.Plan) for localrun's engine. Weights per tensor when the
     plan's profile comes from a GGUF file; for a built-in shape, the profile's bytes as stored."""
@@ -146,8 +160,7 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
     kv = [0] * len(machine.devices)
     for il, layer in enumerate(profile.layers):
         values = layer.n_kv_head * (layer.head_dim_k + layer.head_dim_v)
-        kv[placement.kv_devices[il]] += round(values * per_value(layer)
-                                              * layer_kv_tokens(layer, settings.n_ctx, settings.n_parallel))
+        kv[placement.kv_devices[il]] += round(values * per_value(layer) * engine_kv_tokens(layer, settings))
     for k, n_bytes in enumerate(kv):
         if n_bytes:
             items.append(LedgerItem(k, f"KV pool ({settings.n_ctx} x {settings.n_parallel} tokens)", n_bytes))

@@ -133,6 +133,33 @@ def test_engine_pools_match_the_plan_per_layer_type(gemma):
     assert engine.num_local_blocks == num_window_blocks(WINDOW, BS, n_parallel, batched)
 
 
+@pytest.mark.parametrize("n_ctx", [64, 32])
+def test_the_ledger_counts_the_local_pool_the_engine_allocates(gemma, n_ctx):
+    """The engine ledger's KV line: the global layers' pool, and of the local layers' pool what
+    filled contexts commit (blocks leaving a window stay cached until the pool runs out): the
+    whole pool when n_parallel x n_ctx reaches it (64: 3 x 64 tokens, a pool of 3 x 3 + 1
+    blocks of 16), n_parallel x n_ctx tokens when it does not (32: 96 of its 160)."""
+    import layerplan
+    from layerplan.ledger import EngineOptions, engine_ledger
+    from layerplan.probe import probe_host
+    n_parallel, batched, bs = 3, 16, 16
+    engine = LLMEngine(gemma.model, tokenizer_eog_ids=(2,), block_size=bs, max_model_len=n_ctx,
+                       max_num_seqs=n_parallel, max_num_batched_tokens=batched, kv_type="f32", kv_budget_bytes=1 << 30)
+    plan = layerplan.plan(profile_gguf(gemma.model_path), layerplan.Machine(gpus=(), host=probe_host()), n_ctx=n_ctx,
+                          n_parallel=n_parallel, kv_type="f32", n_gpu_layers=0, with_sweep=False, n_ubatch=batched)
+    (planned,) = [i.n_bytes for i in engine_ledger(plan, EngineOptions(kv_type="f32")).items
+                  if i.what.startswith("KV pool")]
+    cache, c = engine.kv_cache, gemma.model.config
+    pool = {"global": 0, "local": 0}
+    for layer, (k, v) in enumerate(cache.layers):
+        pool["local" if cache.is_local(layer) else "global"] += sum(t.numel() * t.element_size()
+                                                                  for t in k.tensors() + v.tensors())
+    assert engine.num_local_blocks * bs == 160
+    local_per_token = c.num_local_layers * 2 * c.n_head_kv * c.head_dim * 4
+    assert pool["local"] == 160 * local_per_token
+    assert planned == pool["global"] + min(n_parallel * n_ctx, 160) * local_per_token
+
+
 @pytest.mark.parametrize("kv_type", ["int8", "fp8"])
 def test_quantized_kv_of_a_windowed_model_through_the_paged_kernel(tmp_path, kv_type, monkeypatch):
     """gemma-3's local layers keep their own pool: int8/fp8 decode rows are quantized into it

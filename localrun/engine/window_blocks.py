@@ -21,14 +21,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Callable
 
+from layerplan.kv_cache import num_window_blocks  # noqa: F401  (the pool's size: the planner's ledger counts it too)
+
 FREED = -1
-
-
-def num_window_blocks(sliding_window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """A local pool that never limits the scheduler: every running sequence's window (plus a
-    partly filled block on each side) and one step's new tokens."""
-    per_sequence = -(-(sliding_window - 1) // block_size) + 2
-    return max_num_seqs * per_sequence + -(-max_num_batched_tokens // block_size)
 
 
 class WindowBlocks:
