@@ -79,7 +79,7 @@ def test_teacher_forced_agreement_with_llama_cpp(llm, reference):
     assert len(ids) >= 500
     reference.reset()
     reference.eval(ids)
-    expected = np.array(reference.scores[:len(ids)], dtype=np.float64)
+    expected = np.asarray(reference.scores[:len(ids)])     # float32; fidelity() widens a slice at a time
     f = fidelity(expected, llm.logits(ids).numpy(), margin=LLAMA_CPP_MARGIN)
     print(f"\nSmolLM2 vs llama.cpp: {f}")
     assert f.mean_kl <= LLAMA_CPP_MAX_KL, f
