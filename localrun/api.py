@@ -93,6 +93,16 @@ class LLM:
             adaptive=config.speculative_adaptive)
 
     @property
+    def context_warning(self) -> str | None:
+        """One sentence when the context asked for exceeds the one the model was trained for
+        (accepted, as llama.cpp accepts it: positions past it are extrapolated)."""
+        trained = self.config.context_length
+        if self.n_ctx <= trained:
+            return None
+        return (f"the context of {self.n_ctx} tokens exceeds the {trained} this model was trained for; "
+                f"output past {trained} tokens may degrade")
+
+    @property
     def kv_type(self) -> str | None:
         """The KV type asked for (None: the engine's default for the compute dtype)."""
         return self.engine_config.kv_type

@@ -1,5 +1,6 @@
 """chat and serve (cli.options.load_llm) take layerplan's thread advice when neither -t nor a
-tuned profile sets the threads, and -t always wins."""
+tuned profile sets the threads, and -t always wins; a context beyond the trained one gets one
+warning line."""
 from __future__ import annotations
 
 import pytest
@@ -35,3 +36,15 @@ def test_the_advice_does_not_count_a_load_that_has_ended(monkeypatch):
     assert layerplan_threads.advise_threads().recommended == 4
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 50.0)      # 2 of 4 busy now
     assert layerplan_threads.advise_threads().recommended == 2
+
+
+@pytest.mark.parametrize("ctx, warned", [(128, True), (64, False)])
+def test_a_context_beyond_the_trained_one_is_accepted_with_a_warning(tiny_gguf, capsys, ctx, warned):
+    llm = options.load_llm(str(tiny_gguf("F32", context_length=64)), options.engine_config(ctx=ctx, threads=1))
+    try:
+        assert llm.n_ctx == ctx
+        stderr = capsys.readouterr().err
+        assert ("warning: the context of 128 tokens exceeds the 64 this model was trained for" in stderr) == warned
+        assert (llm.context_warning is not None) == warned
+    finally:
+        llm.close()

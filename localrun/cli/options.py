@@ -113,6 +113,8 @@ def load_llm(model: str | None, config: EngineConfig, *, max_batched_tokens: int
         llm = LLM(model, config)
         llm.engine
     err.print(f"[dim]{llm.plan_summary}{' · tuned profile' if used_profile else ''}[/dim]")
+    if llm.context_warning:
+        err.print(f"[yellow]warning: {llm.context_warning}[/yellow]", soft_wrap=True)
     if advice is not None and advice.busy_cores:
         err.print(f"[dim]threads: {advice.reason} (set -t to choose)[/dim]")
     return llm
