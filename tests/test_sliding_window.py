@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from layerplan.kv_cache import kv_type as planner_kv_type, layer_kv_bytes
+from layerplan.kv_cache import kv_type as planner_kv_type, layer_kv_bytes, num_window_blocks
 from layerplan.model_profile import profile_gguf
 from localrun.api import LLM
 from localrun.engine.block_manager import BlockManager
 from localrun.engine.llm_engine import LLMEngine
 from localrun.engine.sequence import Sequence
-from localrun.engine.window_blocks import FREED, WindowBlocks, num_window_blocks
+from localrun.engine.window_blocks import FREED, WindowBlocks
 from localrun.sampling import SamplingParams
 from synthetic_gguf import write_tiny_model
 

@@ -393,7 +393,6 @@ class BlockManager:
                 del self.cached_block_ids[tail.block_hash]
                 tail.block_hash, tail.token_ids, tail.tier = None, (), None
 
-
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. to benchmark without the cache)."""
         while self.evictable_block_ids:

@@ -18,10 +18,10 @@ from typing import NamedTuple
 
 import torch
 
+from layerplan.kv_cache import num_window_blocks
 from localrun.engine.block_manager import BlockManager, kv_bytes_per_token
 from localrun.engine.disk_cache import DiskCacheConfig, DiskKVCache, compute_signature, namespace
 from localrun.engine.model_runner import ModelRunner
-from localrun.engine.window_blocks import num_window_blocks
 from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_type, kv_bytes_per_element
 from localrun.engine.ram_cache import HostKVCache, default_ram_bytes
 from localrun.engine.scheduler import Scheduler

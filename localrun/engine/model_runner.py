@@ -120,7 +120,7 @@ class ModelRunner:
         width = max(len(e.seq.block_table) for e in entries)
         tables = torch.tensor([e.seq.block_table + [0] * (width - len(e.seq.block_table)) for e in entries],
                               dtype=torch.long)                                   # (S, width), padded
-        slots = batch.slot_mapping()[:num_rows]     # the leading rows' entries come first
+        slots = [s for e in entries for s in slot_mapping(e.seq.block_table, bs, e.start_position, e.num_new_tokens)]
         row_seq = [i for i, e in enumerate(entries) for _ in range(e.num_new_tokens)]
         row_len = [p + 1 for e in entries for p in range(e.start_position, e.end_position)]
         assert len(row_seq) == num_rows

@@ -352,6 +352,13 @@ class PagedSequenceView:
         bs = self.cache.block_size
         return max(0, start - self.cache.sliding_window + 1) // bs * bs
 
+    def _first_slot(self, blocks: torch.Tensor) -> int | None:
+        """The first slot of `blocks` where they are consecutive (one slice of the pool reads
+        them) and the cache takes that fast path; else None (gathered block by block)."""
+        first_block = int(blocks[0])
+        consecutive = torch.equal(blocks, torch.arange(first_block, first_block + len(blocks)))
+        return first_block * self.cache.block_size if self.cache.slice_fast_path and consecutive else None
+
     def plan(self, layer: int, start: int, end: int, first: int = 0) -> AccessPlan:
         """How positions start..end-1 are written and first..end-1 read on the layer's device (in a
         local layer, from the first block the window reaches; `first` is a multiple of the block
@@ -369,10 +376,7 @@ class PagedSequenceView:
             first = max(first, self.first_position(layer, start)) // bs
             blocks = table[first:-(-end // bs)]                                     # (nb,)
             assert bool((blocks >= 0).all()), "a block the window reaches was freed"
-            first_block, first_slot = int(blocks[0]), None
-            consecutive = torch.equal(blocks, torch.arange(first_block, first_block + len(blocks)))
-            if self.cache.slice_fast_path and consecutive:
-                first_slot = first_block * bs
+            first_slot = self._first_slot(blocks)
             blocks = blocks.to(device)
             target = WriteTarget(slots.to(device), blocks[start // bs - first:], start % bs)
             self._plans[key] = AccessPlan(target, blocks, first_slot)
@@ -399,10 +403,7 @@ class PagedSequenceView:
         key = (self.cache.devices[layer], "read", end)
         if key not in self._plans:
             blocks = self.block_table[:end // bs]
-            first_block, first_slot = int(blocks[0]), None
-            if self.cache.slice_fast_path and torch.equal(blocks, torch.arange(first_block, first_block + len(blocks))):
-                first_slot = first_block * bs
-            self._plans[key] = AccessPlan(None, blocks.to(self.cache.devices[layer]), first_slot)
+            self._plans[key] = AccessPlan(None, blocks.to(self.cache.devices[layer]), self._first_slot(blocks))
         _, blocks, first_slot = self._plans[key]
         if first_slot is not None:
             return self.cache.read_slots(layer, first_slot, end)

@@ -21,8 +21,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Callable
 
-from layerplan.kv_cache import num_window_blocks  # noqa: F401  (the pool's size: the planner's ledger counts it too)
-
 FREED = -1
 
 
