@@ -406,3 +406,26 @@ def test_small_ops_equal_float64_reference():
         h, n = torch.ops.localrun.add_rms_norm(torch.from_numpy(x), torch.from_numpy(r), torch.from_numpy(w), 1e-5)
         assert np.array_equal(h.numpy(), x + r)
         np.testing.assert_allclose(n.numpy(), norm(x + r), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_equals_the_complex_product(neox):
+    """localrun::rope: each pair times its frequency, (a c - b d, a d + b c) with every product
+    rounded to float32 before the sum, bit for bit against numpy doing exactly that; within an ulp
+    of llama.py's torch expression (whose scalar tail may fuse a product into the sum); on views
+    whose heads are apart (a narrow of the fused q/k/v heads) and head sizes not a multiple of 8."""
+    from localrun.model.llama import apply_rope
+    rng = np.random.default_rng(5)
+    for T, H, hd in ((1, 12, 64), (37, 7, 40), (5, 3, 128)):
+        heads = torch.from_numpy((rng.standard_normal((T, H + 5, hd)) * 3).astype(np.float32))
+        angles = rng.uniform(0, 100, (T, hd // 2))
+        freqs = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64), torch.from_numpy(angles)).to(torch.complex64)
+        x = heads.narrow(1, 2, H)                                       # rows and heads apart
+        got = torch.ops.localrun.rope(x, freqs, neox)
+        xn, f = x.numpy(), torch.view_as_real(freqs).numpy()
+        c, d = f[:, None, :, 0], f[:, None, :, 1]
+        a, b = (xn[..., :hd // 2], xn[..., hd // 2:]) if neox else (xn[..., 0::2], xn[..., 1::2])
+        re, im = a * c - b * d, a * d + b * c                           # float32: each product rounded
+        want = np.concatenate([re, im], -1) if neox else np.stack([re, im], -1).reshape(T, H, hd)
+        assert got.shape == (T, H, hd) and np.array_equal(got.numpy(), want), (T, H, hd)
+        np.testing.assert_allclose(got.numpy(), apply_rope(x, freqs, neox).numpy(), rtol=0, atol=2e-6 * np.abs(want).max())

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -72,15 +73,16 @@ def build(quiet: bool = False) -> Path:
     torch_lib = Path(torch.__file__).parent / "lib"
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = []
-        for name, flags in SOURCES.items():
+        def compile_one(name: str, flags: list[str]) -> str:
             obj = Path(tmp) / (name + ".o")
-            cmd = [_compiler(), *COMMON_FLAGS, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
-                   "-c", str(CSRC / name), "-o", str(obj)]
             if not quiet:
                 print(f"[kernels] compiling {name}", file=sys.stderr)
-            _run(cmd)
-            objects.append(str(obj))
+            _run([_compiler(), *COMMON_FLAGS, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+                  "-c", str(CSRC / name), "-o", str(obj)])
+            return str(obj)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:     # one compiler per core
+            objects = list(pool.map(lambda item: compile_one(*item), SOURCES.items()))
         out = Path(tmp) / target.name
         _run([_compiler(), "-shared", "-fopenmp", *objects, f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
               f"-Wl,-rpath,{torch_lib}", "-o", str(out)])

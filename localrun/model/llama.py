@@ -102,6 +102,14 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, neox: bool = False) -> torc
     return torch.view_as_real(pairs * freqs[:, None, :]).flatten(-2)
 
 
+def apply_rope_fused(x: torch.Tensor, freqs: torch.Tensor, neox: bool = False) -> torch.Tensor:
+    """apply_rope in one compiled call (localrun::rope) for float32 on the CPU; the same products,
+    each rounded before its sum, as the complex product above (tests/test_kernels.py)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return apply_rope(x, freqs, neox)
+    return torch.ops.localrun.rope(x, freqs, neox)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float, fused: bool = False):
         super().__init__()
@@ -120,8 +128,9 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, wqkv, wo, layer: int, bias: torch.Tensor | None = None,
-                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
+                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, fused: bool = False):
         super().__init__()
+        self.rope = apply_rope_fused if fused else apply_rope      # the kernels' RoPE, or torch's
         self.wqkv, self.wo, self.layer = wqkv, wo, layer   # (q+2kv dims, D), (D, q dims)
         self.bias = bias                                   # (q+2kv dims,) or None (qwen2's Q/K/V biases)
         self.q_norm, self.k_norm = q_norm, k_norm          # RMSNorm over each head (qwen3, gemma3)
@@ -139,9 +148,9 @@ class Attention(nn.Module):
         qkv = qkv.view(T, H + 2 * n_kv, self.head_dim)                    # (T, H + 2 n_kv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + n_kv])
-            q, k = apply_rope(torch.cat([q, k], dim=1), freqs, self.neox).split([H, n_kv], dim=1)
+            q, k = self.rope(torch.cat([q, k], dim=1), freqs, self.neox).split([H, n_kv], dim=1)
         else:
-            q, k = apply_rope(qkv[:, :H + n_kv], freqs, self.neox).split([H, n_kv], dim=1)  # rotated at once
+            q, k = self.rope(qkv[:, :H + n_kv], freqs, self.neox).split([H, n_kv], dim=1)  # rotated at once
         if self.scale is not None:        # fold a non-default query scale into q: sdpa divides by sqrt(hd)
             q = q * (self.scale * self.head_dim ** 0.5)
         v = qkv[:, H + n_kv:]                                             # (T, n_kv, hd)
@@ -330,7 +339,7 @@ class Block(nn.Module):
             if arch.attention_bias else None
         q_norm, k_norm = (norm("attn_q_norm"), norm("attn_k_norm")) if arch.qk_norm else (None, None)
         self.attention = Attention(config, wqkv, build.linear([p + "attn_output.weight"], device), layer,
-                                   bias, q_norm, k_norm)
+                                   bias, q_norm, k_norm, self.fused)
         self.ffn_norm = norm("ffn_norm")
         self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device), self.fused,
                                         arch.activation)

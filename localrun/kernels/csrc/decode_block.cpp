@@ -7,8 +7,8 @@
 // Q/K norms (qwen3, gemma3), post-norms and GELU-tanh (gemma3), a query scale (q_scale > 0,
 // folded into q), a sliding window, every KV pool paged_attention reads (k_scale and v_scale for
 // an int8 or fp8 one). It calls the same ops, in the same order, as the Python path
-// (Block.forward with the fused kernels and paged rows), RoPE included (the same aten complex
-// product), so a row's result is the same bits through either path: a decode row does not
+// (Block.forward with the fused kernels and paged rows), RoPE included (localrun::rope), so a
+// row's result is the same bits through either path: a decode row does not
 // change with whether its step also carries prompt rows (which take the Python path).
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -59,14 +59,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     return op.call(q, k, v, k_pool, v_pool, slots, tables, row_seq, row_len, block_size, window, k_scale, v_scale);
 }
 
-// llama.py's apply_rope: x (T, heads, hd) float32, freqs (T, hd/2) complex64
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& freqs, bool neox) {
-    const at::Tensor f = freqs.unsqueeze(1);
-    if (neox) {
-        const at::Tensor halves = x.unflatten(-1, {2, -1}).transpose(-1, -2).contiguous();
-        return at::view_as_real(at::view_as_complex(halves) * f).transpose(-1, -2).flatten(-2);
-    }
-    return at::view_as_real(at::view_as_complex(x.unflatten(-1, {-1, 2})) * f).flatten(-2);
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("localrun::rope", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>();
+    return op.call(x, freqs, neox);
 }
 
 at::Tensor decode_block(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, double eps,

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -110,6 +111,25 @@ void matmul_range_f32(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0
     }
 }
 
+// The quantized activations of one call, in a buffer that each calling thread keeps and reuses
+// (it only grows): five tensors a call cost more than quantizing one decode row. The threads of
+// the call read it; nothing keeps it past the call.
+struct ActivationBuffers {
+    std::vector<float> storage;
+    int8_t* qs; float* d; int32_t* s; float* dxv; float* sxv;
+};
+
+ActivationBuffers& activation_buffers(int64_t M, int64_t K) {
+    thread_local ActivationBuffers buf;
+    const int64_t qs_floats = (M * K + 3) / 4, d = M * (K / 32), s = M * (K / 16), v = M * (K / 32) * 8;
+    buf.storage.resize(std::max<size_t>(buf.storage.size(), qs_floats + d + s + 2 * v));
+    float* p = buf.storage.data();
+    buf.dxv = p; buf.sxv = p + v; buf.d = p + 2 * v;
+    buf.s = reinterpret_cast<int32_t*>(p + 2 * v + d);
+    buf.qs = reinterpret_cast<int8_t*>(p + 2 * v + d + s);
+    return buf;
+}
+
 at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes, bool float_activations) {
     TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "localrun::qmatmul: x must be (M, K) float32");
     TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "localrun::qmatmul: one qtype per weight");
@@ -146,14 +166,9 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
         });
         return y;
     }
-    at::Tensor qs = at::empty({M, K}, x.options().dtype(at::kChar));
-    at::Tensor d = at::empty({M, K / 32}, x.options());
-    at::Tensor s = at::empty({M, K / 16}, x.options().dtype(at::kInt));
-    at::Tensor dxv = at::empty({M, K / 32, 8}, x.options()), sxv = at::empty({M, K / 32, 8}, x.options());
-    quantize(x.data_ptr<float>(), M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(),
-             dxv.data_ptr<float>(), sxv.data_ptr<float>());
-    const QX qx{qs.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), K, dxv.data_ptr<float>(),
-                sxv.data_ptr<float>()};
+    ActivationBuffers& buf = activation_buffers(M, K);
+    quantize(x.data_ptr<float>(), M, K, buf.qs, buf.d, buf.s, buf.dxv, buf.sxv);
+    const QX qx{buf.qs, buf.d, buf.s, K, buf.dxv, buf.sxv};
     over_rows([&](size_t i, int64_t n0, int64_t n1) {   // part i's rows n0..n1, at column offset starts[i]
         const at::Tensor& w = weights[i];
         matmul_range((int)qtypes[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, qx, M, out + starts[i], N);

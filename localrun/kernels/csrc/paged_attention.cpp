@@ -50,7 +50,7 @@ struct Pool {
 struct RowArgs {
     const float* q;            // (heads, hd): the query heads of this row that share KV head g
     Pool k, v;
-    void (*widen_f16)(float*, const uint16_t*, int64_t);   // n float16 values -> float32 (per ISA)
+    void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);   // float16 rows -> float32 (per ISA)
     void (*widen_i8)(float*, const int8_t*, int64_t);      // n int8 codes -> float32
     void (*widen_fp8)(float*, const uint8_t*, int64_t);    // n float8 e4m3fn codes -> float32
     const int64_t* table;      // this sequence's block table
@@ -79,34 +79,48 @@ struct Half16 {                    // float16 or bfloat16 values, stored as 16-b
                                            float* buf, int64_t& stride) {
         const int64_t hd = a.hd, src_stride = a.n_kv * hd;
         const uint16_t* src = static_cast<const uint16_t*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd;
-        for (int64_t r = 0; r < n; r++, src += src_stride) Widen::row(a, buf + r * hd, src, hd);
+        Widen::rows(a, buf, src, n, src_stride, hd);
         stride = hd;
         return buf;
     }
 };
 
+// rows(a, dst, src, n, src_stride, hd): n rows of hd values (src rows src_stride apart) widened
+// to float32 into dst (rows hd apart), one call per block
 struct WidenF16 {     // through the kernel's ISA's converter (vcvtph2ps where F16C exists)
-    ALWAYS_INLINE static void row(const RowArgs& a, float* dst, const uint16_t* src, int64_t n) { a.widen_f16(dst, src, n); }
+    ALWAYS_INLINE static void rows(const RowArgs& a, float* dst, const uint16_t* src, int64_t n, int64_t src_stride,
+                                   int64_t hd) {
+        a.widen_f16(dst, src, n, src_stride, hd);
+    }
 };
 struct WidenBF16 {    // exact: the 16 bits are the float's upper half
-    ALWAYS_INLINE static void row(const RowArgs&, float* dst, const uint16_t* src, int64_t n) {
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) store8(dst + i, bf16x8(src + i));
-        for (; i < n; i++) dst[i] = static_cast<float>(c10::BFloat16(src[i], c10::BFloat16::from_bits()));
+    ALWAYS_INLINE static void rows(const RowArgs&, float* dst, const uint16_t* src, int64_t n, int64_t src_stride,
+                                   int64_t hd) {
+        for (int64_t r = 0; r < n; r++, src += src_stride, dst += hd) {
+            int64_t i = 0;
+            for (; i + 8 <= hd; i += 8) store8(dst + i, bf16x8(src + i));
+            for (; i < hd; i++) dst[i] = static_cast<float>(c10::BFloat16(src[i], c10::BFloat16::from_bits()));
+        }
     }
 };
 
-// float16 -> float32, exact either way: F16C's vcvtph2ps, or half8's bit arithmetic without it.
-__attribute__((target("avx,f16c"))) void widen_f16_f16c(float* dst, const uint16_t* src, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-    for (; i < n; i++) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+// float16 -> float32, exact either way: F16C's vcvtph2ps, or half8's bit arithmetic without it;
+// n rows of hd values, src rows src_stride apart, dst rows hd apart.
+__attribute__((target("avx,f16c"))) void widen_f16_f16c(float* dst, const uint16_t* src, int64_t n, int64_t src_stride,
+                                                       int64_t hd) {
+    for (int64_t r = 0; r < n; r++, src += src_stride, dst += hd) {
+        int64_t i = 0;
+        for (; i + 8 <= hd; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+        for (; i < hd; i++) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+    }
 }
-void widen_f16_bits(float* dst, const uint16_t* src, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) store8(dst + i, half8(src + i));
-    for (; i < n; i++) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+void widen_f16_bits(float* dst, const uint16_t* src, int64_t n, int64_t src_stride, int64_t hd) {
+    for (int64_t r = 0; r < n; r++, src += src_stride, dst += hd) {
+        int64_t i = 0;
+        for (; i + 8 <= hd; i += 8) store8(dst + i, half8(src + i));
+        for (; i < hd; i++) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+    }
 }
 
 using F16 = Half16<WidenF16>;
@@ -376,7 +390,7 @@ void attend_base(const RowArgs& a, PoolType t) { attend_any(a, t); }
 using RowKernel = void (*)(const RowArgs&, PoolType);
 struct Kernels {
     RowKernel attend;
-    void (*widen_f16)(float*, const uint16_t*, int64_t);
+    void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);
     void (*widen_i8)(float*, const int8_t*, int64_t);
     void (*widen_fp8)(float*, const uint8_t*, int64_t);
 };
@@ -396,6 +410,11 @@ const Kernels& kernels() {
     }();
     return chosen;
 }
+
+// Below this much work (query heads x positions x head size) a call runs on the calling thread:
+// waking the others and splitting heads costs more (Zen 3, 2 threads: one SmolLM2 decode row
+// over 160 positions takes 35 us alone and 40 us split; at 300 positions the two are even).
+constexpr int64_t SERIAL_WORK = 1 << 17;
 
 constexpr int64_t CHUNK = 512;   // positions per task of one long row (a multiple of every block size we use)
 
@@ -599,11 +618,15 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
             for (int64_t g = 0; g < n_kv; g++) tasks.push_back({t, g, first + c * size, std::min(L, first + (c + 1) * size), part});
         }
     }
-    const int64_t want = 2 * at::get_num_threads(), pairs = (int64_t)tasks.size();
+    const int64_t pairs = (int64_t)tasks.size();
+    int64_t work = 0;                                       // query heads x positions x head size
+    for (const Task& task : tasks) work += group * (task.end - task.first) * hd;
+    const bool serial = work < SERIAL_WORK;                 // one thread, no head slices (same bits either way)
+    const int64_t want = serial ? 1 : 2 * at::get_num_threads();
     const int64_t slices = std::min<int64_t>(group, std::max<int64_t>(1, (want + pairs - 1) / pairs));
     const int64_t per = (group + slices - 1) / slices;
     std::vector<float> partial(part_row.size() * H * hd), ml(part_row.size() * H * 2);
-    at::parallel_for(0, pairs * slices, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, pairs * slices, serial ? pairs * slices : 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> scratch;
         for (int64_t i = i0; i < i1; i++) {
             const Task& task = tasks[i / slices];
@@ -620,6 +643,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
         }
     });
     // merge a split row's chunks, in chunk order: out = sum_c w_c o_c / sum_c w_c, w_c = l_c e^(m_c - max)
+    if (part_row.empty()) return out;
     std::vector<int64_t> row_first(T, -1);
     for (int64_t s = (int64_t)part_row.size() - 1; s >= 0; s--) row_first[part_row[s]] = s;
     at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {

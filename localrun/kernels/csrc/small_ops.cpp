@@ -3,6 +3,7 @@
 //   add_rms_norm(x, r, w, eps) -> (h, n) h = x + r, n = rms_norm(h, w, eps)   (residual + next norm)
 //   silu_mul(gu) -> (T, F)              gu (T, 2F) = [gate | up] -> silu(gate) * up
 //   gelu_mul(gu) -> (T, F)              the same with gelu_tanh(gate) (gemma's GeGLU)
+//   rope(x, freqs, neox) -> (T, H, hd)  x rotated by freqs (T, hd/2) complex: llama.py's apply_rope
 // Each replaces 3-6 torch ops (and their allocations) per call; the plain torch expressions
 // in localrun/model/llama.py are the reference the tests compare with.
 #include <torch/library.h>
@@ -125,6 +126,41 @@ at::Tensor act_mul(const at::Tensor& gu_in, const char* name) {
 at::Tensor silu_mul(const at::Tensor& gu) { return act_mul<Silu>(gu, "silu_mul"); }
 at::Tensor gelu_mul(const at::Tensor& gu) { return act_mul<GeluTanh>(gu, "gelu_mul"); }
 
+// RoPE: each pair (a, b) of a head, (x[2i], x[2i+1]) or for neox (x[i], x[i + hd/2]), times
+// freqs[t, i] = (c, d) as a complex product: (a c - b d, a d + b c), each product rounded before
+// the sum (no FMA: the file is compiled with -ffp-contract=off), as torch's complex product
+// computes it. x may be a view with rows and heads apart (a narrow of the fused q/k/v heads);
+// its last dimension must be unit-stride or it is copied. One call instead of the six views,
+// copies and products of the torch expression (llama.py's apply_rope, the reference).
+at::Tensor rope(const at::Tensor& x_in, const at::Tensor& freqs_in, bool neox) {
+    TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "localrun::rope: x must be (T, H, hd) float32");
+    const at::Tensor x = x_in.stride(2) == 1 ? x_in : x_in.contiguous();
+    const int64_t T = x.size(0), H = x.size(1), hd = x.size(2), half = hd / 2;
+    TORCH_CHECK(hd % 2 == 0 && freqs_in.scalar_type() == at::kComplexFloat && freqs_in.dim() == 2 &&
+                freqs_in.size(0) == T && freqs_in.size(1) == half, "localrun::rope: freqs must be (T, hd/2) complex64");
+    const at::Tensor f = at::view_as_real(freqs_in.contiguous());            // (T, hd/2, 2)
+    at::Tensor out = at::empty({T, H, hd}, x.options());
+    const float *xp = x.data_ptr<float>(), *fp = f.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t st = x.stride(0), sh = x.stride(1);
+    at::parallel_for(0, T * H, 256, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t t = i / H, h = i % H;
+            const float* src = xp + t * st + h * sh;
+            const float* fr = fp + t * hd;
+            float* dst = op + i * hd;
+            for (int64_t j = 0; j < half; j++) {
+                const float c = fr[2 * j], d = fr[2 * j + 1];
+                const int64_t ia = neox ? j : 2 * j, ib = neox ? j + half : 2 * j + 1;
+                const float a = src[ia], b = src[ib];
+                dst[ia] = a * c - b * d;
+                dst[ib] = a * d + b * c;
+            }
+        }
+    });
+    return out;
+}
+
 }  // namespace
 }  // namespace localrun
 
@@ -133,6 +169,7 @@ TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
     m.def("silu_mul(Tensor gu) -> Tensor");
     m.def("gelu_mul(Tensor gu) -> Tensor");
+    m.def("rope(Tensor x, Tensor freqs, bool neox) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
@@ -140,4 +177,5 @@ TORCH_LIBRARY_IMPL(localrun, CPU, m) {
     m.impl("add_rms_norm", &localrun::add_rms_norm);
     m.impl("silu_mul", &localrun::silu_mul);
     m.impl("gelu_mul", &localrun::gelu_mul);
+    m.impl("rope", &localrun::rope);
 }

@@ -13,7 +13,9 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 ALWAYS_INLINE v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
 ALWAYS_INLINE void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-ALWAYS_INLINE v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+// a shuffle of lane 0, not an eight-lane initializer: GCC builds the latter with eight inserts
+// where the former is one vbroadcastss
+ALWAYS_INLINE v8 splat8(float x) { const v8 t = {x}; return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0); }
 ALWAYS_INLINE float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // (sum of s[0], sum of s[1], ..., sum of s[7]) by a transposing tree (fixed order)
