@@ -83,13 +83,21 @@ class SamplerState:
         return self.logprobs.pop(0) if self.logprobs else None
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """The index of the largest logit (the first one on ties, a NaN's if any), as torch's argmax:
+    on the CPU through numpy's, ~20x faster over a vocabulary (6 against 120 us for 49k)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return int(logits.numpy().argmax())
+    return int(logits.argmax())
+
+
 def probabilities(logits: torch.Tensor, p: SamplingParams,
                   recent: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
     """The distribution `sample` draws from, (V,) float32: what speculative decoding's
     rejection rule compares a draft against. Greedy: one-hot at the argmax."""
     logits = _penalized(logits, p, recent)
     if p.greedy:
-        return torch.zeros_like(logits).index_fill_(0, logits.argmax().view(1), 1.0)
+        return torch.zeros_like(logits).index_fill_(0, torch.tensor([argmax(logits)], device=logits.device), 1.0)
     return _filtered_probs(logits, p)
 
 
@@ -103,7 +111,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
         state.sync(recent)
         logits = state.matcher.mask(logits)
     if p.greedy:
-        token_id = int(logits.argmax())
+        token_id = argmax(logits)
     else:
         token_id = int(torch.multinomial(_filtered_probs(logits, p), 1, generator=generator))
     if state is not None and p.logprobs is not None:

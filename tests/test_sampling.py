@@ -62,3 +62,16 @@ def test_temperature_sharpens():
 def test_bad_parameters_are_user_errors(bad):
     with pytest.raises(UserError):
         SamplingParams(**bad)
+
+
+def test_argmax_is_torchs_first_maximum_and_first_nan():
+    """sampling.argmax (numpy's on the CPU) picks what torch's argmax picks: the first of tied
+    maxima, the first NaN if any, on strided views too."""
+    from localrun.sampling import argmax
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        x = torch.randint(-3, 4, (97,), generator=g).float()          # many ties
+        assert argmax(x) == int(x.argmax())
+        assert argmax(x[1::3]) == int(x[1::3].argmax())
+        x[torch.randint(0, 97, (2,), generator=g)] = float("nan")
+        assert argmax(x) == int(x.argmax())
