@@ -211,6 +211,40 @@ def test_quantized_kv_through_the_paged_kernel_equals_the_gather_path(tiny_gguf,
     assert with_kernel == with_gather
 
 
+def test_short_prompt_chunks_beside_decodes_go_through_the_paged_kernel_with_the_same_outputs(tiny_gguf,
+                                                                                               monkeypatch):
+    """Prompt chunks of at most PAGED_PROMPT_ROWS rows after the decode rows are attended by the
+    paged kernel, row by row over their cached prefix, instead of gathered for SDPA: it happens
+    (steps with decodes and such chunks, prefix hits among them), and every request's greedy
+    output is the one the gather path gives."""
+    from localrun import kernels
+    from localrun.engine import model_runner
+    if not kernels.available():
+        pytest.skip("localrun's kernels did not compile here")
+    model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1).model
+    seen = []
+    real = model_runner.ModelRunner.paged_rows
+
+    def spy(self, batch):
+        paged = real(self, batch)
+        prompt_rows = sum(e.num_new_tokens for e in batch.entries[:model_runner.num_paged_entries(batch)]
+                          if e.is_prefill)
+        seen.append((paged is not None and prompt_rows > 0, any(not e.is_prefill for e in batch.entries),
+                     any(e.is_prefill and e.start_position > 0 for e in batch.entries)))
+        return paged
+
+    monkeypatch.setattr(model_runner.ModelRunner, "paged_rows", spy)
+    paged = [s.generated_token_ids for s in run_all(make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=12),
+                                                    PROMPTS, GREEDY)]
+    assert any(p and d and c for p, d, c in seen), seen
+    monkeypatch.setattr(model_runner, "PAGED_PROMPT_ROWS", 0)
+    seen.clear()
+    gathered = [s.generated_token_ids for s in run_all(make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=12),
+                                                       PROMPTS, GREEDY)]
+    assert not any(p for p, _, _ in seen)
+    assert paged == gathered
+
+
 def test_prefix_cache_serves_the_shared_blocks_of_a_second_request(model):
     engine = make_engine(model, block_size=16)
     prefix = random_ids(40, seed=20)

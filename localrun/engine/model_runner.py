@@ -24,6 +24,13 @@ from localrun.model.llama import PagedRows, Segment, SharedPrefix, Transformer
 from localrun.sampling import SamplingParams, make_generator, sample
 
 DEFAULT_PARAMS = SamplingParams()
+# A prompt chunk of at most this many rows right after the decode rows (the small chunks an
+# inter-token latency target leaves room for, a prompt's tail) is attended by the paged kernel
+# too, each row a query over its own prefix, as verify rows are, instead of its cached prefix
+# being gathered per layer for one masked SDPA. Zen 3, SmolLM2, 8 decodes plus a chunk over 1500
+# cached tokens: 16 rows 205 -> 163 ms a step; 32 rows 300 -> 335 ms (SDPA's blocked products
+# win there: the kernel reads the keys once per row).
+PAGED_PROMPT_ROWS = 16
 
 
 def num_decode_rows(batch: Batch) -> int:
@@ -34,6 +41,17 @@ def num_decode_rows(batch: Batch) -> int:
         if entry.is_prefill:
             break
         n += entry.num_new_tokens
+    return n
+
+
+def num_paged_entries(batch: Batch) -> int:
+    """The leading entries the paged kernel attends: the decode and verify entries, then the
+    prompt chunks of at most PAGED_PROMPT_ROWS rows that follow them."""
+    n = 0
+    for entry in batch.entries:
+        if entry.is_prefill and entry.num_new_tokens > PAGED_PROMPT_ROWS:
+            break
+        n += 1
     return n
 
 
@@ -82,20 +100,20 @@ class ModelRunner:
         self.input_device = model.tok_embeddings.device
         self.generators: dict[str, torch.Generator] = {}   # request_id -> its sampler's RNG
 
-    def segments(self, batch: Batch, first_row: int = 0) -> list[Segment]:
-        """One Segment per entry from row first_row on (the rows before it are attended by the
-        paged kernel): its rows of the flat batch and its view of the KV pool; prompt chunks
+    def segments(self, batch: Batch, first_entry: int = 0) -> list[Segment]:
+        """One Segment per entry from entry first_entry on (the ones before it are attended by
+        the paged kernel): its rows of the flat batch and its view of the KV pool; prompt chunks
         that hold the same cached blocks share them (`shared_prefixes`)."""
         starts, segments = batch.query_start_locs(), []
-        shared = shared_prefixes(batch.entries, self.kv_cache.block_size)
+        shared = shared_prefixes(batch.entries[first_entry:], self.kv_cache.block_size)
         for i, e in enumerate(batch.entries):
-            if starts[i] < first_row:
+            if i < first_entry:
                 continue
             local = self.local_block_tables(e.seq) if self.local_block_tables else None
             view = self.kv_cache.sequence_view(e.seq.block_table, local)
             rowwise = bool(e.num_draft_tokens) and self.verify_as_decodes
             segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view, rowwise,
-                                    shared=shared.get(i)))
+                                    shared=shared.get(i - first_entry)))
         return segments
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -105,17 +123,17 @@ class ModelRunner:
         tokens = torch.tensor(batch.input_token_ids(), dtype=torch.long, device=device)    # (T,)
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=device)       # (T,)
         rows = torch.tensor(batch.sample_indices(), dtype=torch.long, device=device)       # (S,)
-        num_rows = num_decode_rows(batch)
-        paged = self.paged_rows(batch, num_rows)
-        segments = self.segments(batch, first_row=num_rows if paged is not None else 0)
-        return self.model(tokens, positions, segments, rows, decode_rows=num_rows, paged=paged)
+        paged = self.paged_rows(batch)
+        segments = self.segments(batch, first_entry=num_paged_entries(batch) if paged is not None else 0)
+        return self.model(tokens, positions, segments, rows, decode_rows=num_decode_rows(batch), paged=paged)
 
-    def paged_rows(self, batch: Batch, num_rows: int) -> PagedRows | None:
-        """The leading decode and verify rows' metadata for the paged attention kernel, where
-        the model runs localrun's kernels on the CPU over a pool the kernel reads (any KV type); else None."""
-        if not num_rows or not self.model.fused or not self.kv_cache.supports_paged_attention:
+    def paged_rows(self, batch: Batch) -> PagedRows | None:
+        """The metadata of the leading entries' rows (`num_paged_entries`: decode and verify rows,
+        then short prompt chunks) for the paged attention kernel, where the model runs localrun's
+        kernels on the CPU over a pool the kernel reads (any KV type); else None."""
+        entries = batch.entries[:num_paged_entries(batch)]
+        if not entries or not self.model.fused or not self.kv_cache.supports_paged_attention:
             return None
-        entries = batch.entries[:next((i for i, e in enumerate(batch.entries) if e.is_prefill), len(batch.entries))]
         bs = self.kv_cache.block_size
         width = max(len(e.seq.block_table) for e in entries)
         tables = torch.tensor([e.seq.block_table + [0] * (width - len(e.seq.block_table)) for e in entries],
@@ -123,7 +141,7 @@ class ModelRunner:
         slots = [s for e in entries for s in slot_mapping(e.seq.block_table, bs, e.start_position, e.num_new_tokens)]
         row_seq = [i for i, e in enumerate(entries) for _ in range(e.num_new_tokens)]
         row_len = [p + 1 for e in entries for p in range(e.start_position, e.end_position)]
-        assert len(row_seq) == num_rows
+        num_rows = len(row_seq)
         local_slots = local_tables = None
         if self.local_block_tables is not None:     # the same rows' slots in the local layers' pool
             local = [self.local_block_tables(e.seq) for e in entries]
