@@ -536,10 +536,10 @@ test_clients_that_vanish_free_everything_they_held = ClientsComeAndGo.TestCase
 
 
 def test_an_itl_target_sizes_the_prefill_chunk_from_the_step_cost():
-    """Step cost 10 ms + 1 ms per token, a 50 ms target: 40 tokens fit. With two decodes
+    """Step cost 10 ms + 1 ms per row, a 50 ms target: 40 rows fit. With two decodes
     running, a long prompt gets 38 tokens a step; with none, the whole budget of 64. The plan
     is on the batch: cost(40) = 50 ms."""
-    cost = lambda n: 0.010 + 0.001 * n   # noqa: E731
+    cost = lambda d, p, a: 0.010 + 0.001 * (d + p)   # noqa: E731
     bm = BlockManager(64, 4)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, itl_target_s=0.050), bm,
                           eos_token_ids=(EOS,), step_cost=cost)
@@ -559,3 +559,32 @@ def test_an_itl_target_sizes_the_prefill_chunk_from_the_step_cost():
     assert batch.planned_s == pytest.approx(0.050)
     with pytest.raises(UserError, match="positive"):
         SchedulerConfig(itl_target_s=0.0)
+
+
+def test_an_itl_target_prices_prompt_tokens_on_their_context():
+    """Under a cost law where a prompt token's price grows with the keys it attends, each step
+    beside two decodes carries exactly the most prompt tokens a brute-force search finds within
+    the target (at least one block), so chunks shrink as the prompt's context grows; the plan
+    on the batch is the law's price of the batch as composed."""
+    from localrun.engine.step_cost import attended_keys
+    cost = lambda d, p, a: 0.010 + 0.001 * d + 0.0004 * p + 2e-6 * a   # noqa: E731
+    target, limit = 0.030, 64
+    bm = BlockManager(256, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=limit, itl_target_s=target), bm,
+                          eos_token_ids=(EOS,), step_cost=cost)
+    runner = FakeRunner(bm)
+    for name in "ab":
+        scheduler.add(Sequence(name, [1, 2, 3], Params(max_tokens=200, ignore_eos=True)))
+    step(scheduler, runner)                                  # a and b prefill (no decodes yet)
+    scheduler.add(Sequence("long", [5, 6, 7, 8] * 100, Params(max_tokens=2, ignore_eos=True)))
+    step(scheduler, runner)                                  # admitted beside the two decodes
+    chunks, start = [], scheduler.running[-1].num_computed_tokens
+    while scheduler.running[-1].request_id == "long" and scheduler.running[-1].is_prefill:
+        fitting = [p for p in range(4, limit - 2 + 1) if cost(2, p, attended_keys(start, p)) <= target]
+        want = max(fitting, default=4)
+        batch, _ = step(scheduler, runner)
+        assert shape(batch)[-1] == ("long", start, min(want, 400 - start)), (start, want)
+        assert batch.planned_s == pytest.approx(cost(*batch.cost_shape()))
+        chunks.append(shape(batch)[-1][2])
+        start += chunks[-1]
+    assert chunks[0] > chunks[-2] >= 4, chunks               # later chunks sit on more context

@@ -26,7 +26,7 @@ from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_typ
 from localrun.engine.ram_cache import HostKVCache, default_ram_bytes
 from localrun.engine.scheduler import Scheduler
 from localrun.engine.sequence import Sequence, SequenceStatus
-from localrun.engine.spec_control import StepCostModel
+from localrun.engine.step_cost import MixedStepCost
 from localrun.engine.speculative import SpeculativeConfig, make_speculator, measure_forward_seconds
 from localrun.engine_config import DEFAULT_OUTPUT_RESERVE_TOKENS, DEFAULT_WATERMARK, EngineConfig  # noqa: F401
 from localrun.errors import UserError
@@ -141,7 +141,7 @@ class LLMEngine:
         self.kv_type = kv_type
         self.clock = clock
         self._finished_at_add: list[Sequence] = []   # max_tokens=0: reported by the next step
-        self.step_cost: StepCostModel | None = None     # measured step times, under an ITL target
+        self.step_cost: MixedStepCost | None = None     # measured step times, under an ITL target
         self.itl_stats = {"itl_planned_steps": 0, "itl_target_misses": 0, "step_planned_s": 0.0,
                           "step_actual_s": 0.0}
 
@@ -171,7 +171,8 @@ class LLMEngine:
         config = dataclasses.replace(self.scheduler.config, itl_target_s=seconds)
         if seconds is not None and self.step_cost is None:
             model = self.model
-            self.step_cost = StepCostModel(lambda n: measure_forward_seconds(model, n))
+            self.step_cost = MixedStepCost(lambda n: measure_forward_seconds(model, n, rowwise=True),
+                                           lambda n: measure_forward_seconds(model, n))
         self.scheduler.config = config
         self.scheduler.step_cost = self.step_cost.cost if seconds is not None else None
 
@@ -242,7 +243,7 @@ class LLMEngine:
         sampled = self.runner.execute(batch)
         execute_s = time.perf_counter() - start
         if self.step_cost is not None:
-            self.step_cost.observe(batch.num_batched_tokens, execute_s)
+            self.step_cost.observe(*batch.cost_shape(), execute_s)
         if batch.planned_s is not None:
             self.itl_stats["itl_planned_steps"] += 1
             self.itl_stats["itl_target_misses"] += execute_s > self.scheduler.config.itl_target_s

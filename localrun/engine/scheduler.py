@@ -23,11 +23,14 @@ instead of being admitted and preempted a few steps later; preemption remains th
 resort for sequences that outgrow their reserve. With nothing running, a request that fits
 at all is admitted, so the queue always moves.
 
-Inter-token latency target (`itl_target_s`, with a measured `step_cost(num_tokens) -> seconds`):
-a step that carries decodes takes only as many tokens as the cost model says fit in the
-target: the decodes first (always, even past it), then prompt tokens up to it (at least
-one block, so prompts never starve): chunk sizes follow the load instead of a fixed budget. A step with no decodes may use the whole budget.
-The plan's predicted time of a step with decodes rides on the Batch (`planned_s`) for the engine to compare.
+Inter-token latency target (`itl_target_s`, with a measured `step_cost(d, p, a) -> seconds` of a
+step carrying d decode rows and p prompt tokens that attend a keys: step_cost.py): a step that
+carries decodes takes only as many prompt tokens as the cost model says fit in the target
+beside them: the decodes first (always, even past it), then prompt tokens up to it (at least
+one block, so prompts never starve), priced on the context of the first prompt in line: chunk
+sizes follow the load instead of a fixed budget. A step with no decodes may use the whole
+budget. The plan's predicted time of a step with decodes rides on the Batch (`planned_s`) for
+the engine to compare.
 
 Speculative decoding: a decoding sequence may carry draft tokens (`seq.draft_token_ids`, set
 by the speculator before the step). Its entry then computes the last token plus the drafts,
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 
 from localrun.engine.block_manager import BlockManager, slot_mapping
 from localrun.engine.sequence import Sequence, SequenceStatus
+from localrun.engine.step_cost import attended_keys
 from localrun.errors import OptionError, UserError
 
 POLICIES = ("fcfs", "cache_aware")
@@ -150,6 +154,14 @@ class Batch:
         """Offsets of each entry's tokens in the flat input (len(entries) + 1 values)."""
         return [0, *itertools.accumulate(e.num_new_tokens for e in self.entries)]
 
+    def cost_shape(self) -> tuple[int, int, int]:
+        """What the step cost model prices: (decode and verify rows, prompt tokens, the keys those
+        prompt tokens attend)."""
+        prompt = [e for e in self.entries if e.is_prefill]
+        return (sum(e.num_new_tokens for e in self.entries if not e.is_prefill),
+                sum(e.num_new_tokens for e in prompt),
+                sum(attended_keys(e.start_position, e.num_new_tokens) for e in prompt))
+
     def context_lens(self) -> list[int]:
         """Keys each entry attends over, its new tokens included."""
         return [e.end_position for e in self.entries]
@@ -183,7 +195,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  eos_token_ids: tuple[int, ...] = (),
                  clock: Callable[[], float] = time.monotonic,
-                 step_cost: Callable[[int], float] | None = None):
+                 step_cost: Callable[[int, int, int], float] | None = None):
         capacity = block_manager.num_blocks * block_manager.block_size
         self.max_model_len = config.max_model_len or capacity
         if self.max_model_len > capacity:
@@ -196,7 +208,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
-        self.step_cost = step_cost     # seconds of a step over n tokens (measured), for itl_target_s
+        self.step_cost = step_cost     # (decode rows, prompt tokens, their keys) -> seconds, for itl_target_s
         self.waiting: list[Sequence] = []    # by arrival_index
         self.running: list[Sequence] = []    # by arrival_index
         self.requests: dict[str, Sequence] = {}
@@ -244,19 +256,28 @@ class Scheduler:
     # --- one step -------------------------------------------------------------------
     def step_token_budget(self) -> int:
         """Tokens this step may carry: the whole budget, or under an ITL target with decodes
-        running, the most tokens whose predicted step time fits it."""
+        running, the decodes and the most prompt tokens whose predicted step time fits it,
+        priced on the context of the first prompt in line (a running one, else the next to be
+        admitted, from its start)."""
         limit = self.config.max_num_batched_tokens
         target, cost = self.config.itl_target_s, self.step_cost
         num_decodes = sum(1 for s in self.running if not s.is_prefill)
-        if target is None or cost is None or num_decodes == 0 or cost(limit) <= target:
+        if target is None or cost is None or num_decodes == 0 or num_decodes >= limit:
             return limit
-        # cost(hi) > target: find the largest size that fits, but never fewer than the decodes
-        # plus one block of prompt, so a prompt moves on however slow the step
-        lo, hi = min(num_decodes + self.block_manager.block_size, limit), limit
+        start = next((s.num_computed_tokens for s in self.running if s.is_prefill), 0)
+
+        def fits(p: int) -> bool:
+            return cost(num_decodes, p, attended_keys(start, p)) <= target
+
+        if fits(limit - num_decodes):
+            return limit
+        # find the most prompt tokens that fit, but never fewer than one block, so a prompt
+        # moves on however slow the step
+        lo, hi = min(self.block_manager.block_size, limit - num_decodes), limit - num_decodes
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if cost(mid) <= target else (lo, mid)
-        return lo
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return num_decodes + lo
 
     def schedule(self) -> Batch:
         budget = self.step_token_budget()
@@ -296,7 +317,7 @@ class Scheduler:
         batch = Batch(entries, self.block_manager.block_size, preempted)
         if (self.config.itl_target_s is not None and self.step_cost is not None
                 and any(not e.is_prefill for e in entries)):      # the target holds steps with decodes
-            batch.planned_s = self.step_cost(batch.num_batched_tokens)
+            batch.planned_s = self.step_cost(*batch.cost_shape())
         return batch
 
     def _num_usable_drafts(self, seq: Sequence, num_drafts: int, draft_budget: int) -> int:

@@ -1,0 +1,90 @@
+"""What an engine step costs, from what it carries: the model an inter-token latency target
+composes steps with (scheduler.py, `itl_target_s`). Torch-free, like the scheduler.
+
+A step carries d decode or verify rows, p prompt tokens, and those prompt tokens attend
+a keys in all (a prompt token at position q attends q + 1 keys). On a CPU the three cost very
+differently: decode rows run the fused integer path, prompt rows run float32 products whose cost
+per token is higher for a small chunk, and a chunk's attention grows with the context it sits
+on. Keyed by its token count alone, a step of 8 decodes and a 16-token chunk over 1500 cached
+tokens was predicted as a 24-row decode step (~40 ms) and took 160-220 ms (SmolLM2, Zen 3): the
+controller then over-packed every mixed step, or, learning from both kinds under one key,
+shrank every chunk to a block. So:
+
+    cost(d, p, a) = D(d)                              with no prompt tokens
+                  = D(d) + c0 + c1 * p + c2 * a       with some
+
+- D: the decode-only steps' own times (`StepCostModel`: the median per row count, one scratch
+  forward for a count not seen yet).
+- c0, c1, c2: a least-squares fit, over the last WINDOW steps that carried prompt tokens, of
+  their time less D(d); ridge-pulled towards a prior (c1 from one scratch forward of
+  PRIOR_TOKENS prompt tokens, c0 = c2 = 0) with the weight of one step, so that a few similar
+  steps cannot swing it, and kept at 0 or above (no term makes a step cheaper).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from localrun.engine.spec_control import StepCostModel
+
+WINDOW = 64            # prompt-carrying steps the fit remembers
+PRIOR_TOKENS = 64      # the scratch prompt forward that sets the prior per-token cost
+# features in units that make the coefficients comparable: 1, tokens / 100, keys / 100k
+SCALE = np.array([1.0, 100.0, 100_000.0])
+
+
+def attended_keys(start: int, num_tokens: int) -> int:
+    """Keys attended by num_tokens prompt tokens at positions start.. (each q + 1)."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+class MixedStepCost:
+    def __init__(self, measure_decode: Callable[[int], float], measure_prompt: Callable[[int], float]):
+        """measure_decode(n), measure_prompt(n): seconds of one scratch forward of n decode rows,
+        of n prompt tokens (the first estimates, before real steps say more)."""
+        self.decode = StepCostModel(measure_decode)
+        self.measure_prompt = measure_prompt
+        self.steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)   # (p, a, seconds less D(d))
+        self._prior: np.ndarray | None = None
+        self._coefficients: np.ndarray | None = None
+
+    def observe(self, d: int, p: int, a: int, seconds: float) -> None:
+        if p == 0:
+            self.decode.observe(d, seconds)
+            return
+        self.steps.append((p, a, seconds - (self.decode.cost(d) if d else 0.0)))
+        self._coefficients = None
+
+    def cost(self, d: int, p: int, a: int) -> float:
+        base = self.decode.cost(d) if d else 0.0
+        if p == 0:
+            return base
+        return base + float(self.coefficients() @ (np.array([1.0, p, a]) / SCALE))
+
+    def coefficients(self) -> np.ndarray:
+        """(c0, c1, c2) in SCALE's units: seconds per step, per 100 tokens, per 100k keys."""
+        if self._coefficients is None:
+            if self._prior is None:
+                per_token = self.measure_prompt(PRIOR_TOKENS) / PRIOR_TOKENS
+                self._prior = np.array([0.0, per_token * SCALE[1], 0.0])
+            x = np.array([[1.0, p, a] for p, a, _ in self.steps]).reshape(-1, 3) / SCALE
+            r = np.array([s for _, _, s in self.steps])
+            self._coefficients = nonnegative_ridge(x, r, self._prior)
+        return self._coefficients
+
+
+def nonnegative_ridge(x: np.ndarray, r: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """argmin |x c - r|^2 + |c - prior|^2 over c >= 0: the ridge solution on the coefficients
+    still free, those it drives below 0 fixed at 0 one at a time (an active set; three unknowns)."""
+    free = np.ones(len(prior), dtype=bool)
+    c = np.zeros(len(prior))
+    while free.any():
+        xf = x[:, free]
+        c = np.zeros(len(prior))
+        c[free] = np.linalg.solve(xf.T @ xf + np.eye(free.sum()), xf.T @ r + prior[free])
+        if (c >= 0).all():
+            return c
+        free[np.argmin(np.where(free, c, np.inf))] = False
+    return c
