@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 #include "vec8.h"
@@ -52,6 +53,8 @@ struct RowArgs {
     Pool k, v;
     void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);   // float16 rows -> float32 (per ISA)
     void (*widen_i8)(float*, const int8_t*, int64_t);      // n int8 codes -> float32
+    // rows of int8 codes x their scales -> float32 rows (widen_i8_scaled_*: one call per block)
+    void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
     void (*widen_fp8)(float*, const uint8_t*, int64_t);    // n float8 e4m3fn codes -> float32
     const int64_t* table;      // this sequence's block table
     int64_t block_size, n_kv, g, hd, first, L, heads;
@@ -144,6 +147,13 @@ struct TokenScaled {               // one scale per `group` values of a token's 
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         const int64_t hd = a.hd, group = pool.group, groups = hd / group;
+        if constexpr (std::is_same_v<Code, Int8Code>) {           // one call for the block's rows
+            const int64_t at = (a.table[b] * a.block_size + off) * a.n_kv + a.g;
+            a.widen_i8_scaled(buf, static_cast<const int8_t*>(pool.data) + at * hd, pool.scale + at * groups, n,
+                              a.n_kv * hd, hd, group, a.n_kv * groups);
+            stride = hd;
+            return buf;
+        }
         for (int64_t r = 0; r < n; r++) {
             const int64_t at = (a.table[b] * a.block_size + off + r) * a.n_kv + a.g;
             const float* sc = pool.scale + at * groups;
@@ -168,14 +178,9 @@ struct ChannelScaledInt8 {         // int8 with one scale per block per channel:
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         const int64_t hd = a.hd;
-        const float* sc = pool.scale + (a.table[b] * a.n_kv + a.g) * hd;
-        for (int64_t r = 0; r < n; r++) {
-            float* dst = buf + r * hd;
-            a.widen_i8(dst, static_cast<const int8_t*>(pool.data) + ((a.table[b] * a.block_size + off + r) * a.n_kv + a.g) * hd, hd);
-            int64_t i = 0;
-            for (; i + 8 <= hd; i += 8) store8(dst + i, load8(dst + i) * load8(sc + i));
-            for (; i < hd; i++) dst[i] *= sc[i];
-        }
+        const float* sc = pool.scale + (a.table[b] * a.n_kv + a.g) * hd;     // the block's, every row
+        a.widen_i8_scaled(buf, static_cast<const int8_t*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd,
+                          sc, n, a.n_kv * hd, hd, 1, 0);
         stride = hd;
         return buf;
     }
@@ -211,6 +216,32 @@ __attribute__((target("avx2,fma"))) void widen_fp8_avx2(float* dst, const uint8_
     for (; i < n; i++) dst[i] = fp8_value(src[i]);
 }
 void widen_i8_base(float* dst, const int8_t* src, int64_t n) { for (int64_t i = 0; i < n; i++) dst[i] = src[i]; }
+
+// n rows of hd int8 codes (src rows src_stride apart) times their scales into dst (rows hd
+// apart): row r's value i is code x sc[r * sc_stride + i / group], one float32 product (the
+// stores' read). group 1 with sc_stride 0: one scale per channel for the whole block (int8 K);
+// group 32 or hd: one per group of a token's values (int8 V).
+__attribute__((target("avx2,fma"))) void widen_i8_scaled_avx2(float* dst, const int8_t* src, const float* sc, int64_t n,
+                                                             int64_t src_stride, int64_t hd, int64_t group, int64_t sc_stride) {
+    for (int64_t r = 0; r < n; r++, src += src_stride, dst += hd, sc += sc_stride) {
+        int64_t i = 0;
+        if (group == 1) {
+            for (; i + 8 <= hd; i += 8)
+                _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))), _mm256_loadu_ps(sc + i)));
+        } else if (group % 8 == 0) {
+            for (; i + 8 <= hd; i += 8)
+                _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))), _mm256_set1_ps(sc[i / group])));
+        }
+        for (; i < hd; i++) dst[i] = static_cast<float>(src[i]) * sc[i / group];
+    }
+}
+void widen_i8_scaled_base(float* dst, const int8_t* src, const float* sc, int64_t n, int64_t src_stride, int64_t hd,
+                          int64_t group, int64_t sc_stride) {
+    for (int64_t r = 0; r < n; r++, src += src_stride, dst += hd, sc += sc_stride)
+        for (int64_t i = 0; i < hd; i++) dst[i] = static_cast<float>(src[i]) * sc[i / group];
+}
 void widen_fp8_base(float* dst, const uint8_t* src, int64_t n) {
     static const std::array<float, 256> table = [] {
         std::array<float, 256> t{};
@@ -393,6 +424,7 @@ struct Kernels {
     void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);
     void (*widen_i8)(float*, const int8_t*, int64_t);
     void (*widen_fp8)(float*, const uint8_t*, int64_t);
+    void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 };
 
 // AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA forces a narrower kernel.
@@ -403,10 +435,11 @@ const Kernels& kernels() {
         __builtin_cpu_init();
         const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-        if (forced == "ref" || !avx2) return Kernels{&attend_base, &widen_f16_bits, &widen_i8_base, &widen_fp8_base};
+        if (forced == "ref" || !avx2)
+            return Kernels{&attend_base, &widen_f16_bits, &widen_i8_base, &widen_fp8_base, &widen_i8_scaled_base};
         // every AVX2 CPU has F16C
         return Kernels{avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2, &widen_f16_f16c, &widen_i8_avx2,
-                       &widen_fp8_avx2};
+                       &widen_fp8_avx2, &widen_i8_scaled_avx2};
     }();
     return chosen;
 }
@@ -636,8 +669,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
             scratch.resize(heads * (task.end - task.first + 8 + hd) + block_size * hd);
             float* dst = task.part < 0 ? op + (t * H + h0) * hd : partial.data() + (task.part * H + h0) * hd;
             float* dst_ml = task.part < 0 ? nullptr : ml.data() + (task.part * H + h0) * 2;
-            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8, chosen.widen_fp8,
-                               tp + seqp[t] * max_blocks, block_size,
+            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8, chosen.widen_i8_scaled,
+                               chosen.widen_fp8, tp + seqp[t] * max_blocks, block_size,
                                n_kv, g, hd, task.first, task.end, heads, scale, scratch.data(), dst, dst_ml};
             chosen.attend(args, type);
         }
