@@ -225,10 +225,9 @@ def test_short_prompt_chunks_beside_decodes_go_through_the_paged_kernel_with_the
     seen = []
     real = model_runner.ModelRunner.paged_rows
 
-    def spy(self, batch):
-        paged = real(self, batch)
-        prompt_rows = sum(e.num_new_tokens for e in batch.entries[:model_runner.num_paged_entries(batch)]
-                          if e.is_prefill)
+    def spy(self, batch, num_entries):
+        paged = real(self, batch, num_entries)
+        prompt_rows = sum(e.num_new_tokens for e in batch.entries[:num_entries] if e.is_prefill)
         seen.append((paged is not None and prompt_rows > 0, any(not e.is_prefill for e in batch.entries),
                      any(e.is_prefill and e.start_position > 0 for e in batch.entries)))
         return paged

@@ -123,15 +123,16 @@ class ModelRunner:
         tokens = torch.tensor(batch.input_token_ids(), dtype=torch.long, device=device)    # (T,)
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=device)       # (T,)
         rows = torch.tensor(batch.sample_indices(), dtype=torch.long, device=device)       # (S,)
-        paged = self.paged_rows(batch)
-        segments = self.segments(batch, first_entry=num_paged_entries(batch) if paged is not None else 0)
+        num_paged = num_paged_entries(batch)
+        paged = self.paged_rows(batch, num_paged)
+        segments = self.segments(batch, first_entry=num_paged if paged is not None else 0)
         return self.model(tokens, positions, segments, rows, decode_rows=num_decode_rows(batch), paged=paged)
 
-    def paged_rows(self, batch: Batch) -> PagedRows | None:
-        """The metadata of the leading entries' rows (`num_paged_entries`: decode and verify rows,
-        then short prompt chunks) for the paged attention kernel, where the model runs localrun's
-        kernels on the CPU over a pool the kernel reads (any KV type); else None."""
-        entries = batch.entries[:num_paged_entries(batch)]
+    def paged_rows(self, batch: Batch, num_entries: int) -> PagedRows | None:
+        """The metadata of the leading num_entries entries' rows (`num_paged_entries`: decode and
+        verify rows, then short prompt chunks) for the paged attention kernel, where the model runs
+        localrun's kernels on the CPU over a pool the kernel reads (any KV type); else None."""
+        entries = batch.entries[:num_entries]
         if not entries or not self.model.fused or not self.kv_cache.supports_paged_attention:
             return None
         bs = self.kv_cache.block_size

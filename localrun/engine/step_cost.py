@@ -79,12 +79,10 @@ def nonnegative_ridge(x: np.ndarray, r: np.ndarray, prior: np.ndarray) -> np.nda
     """argmin |x c - r|^2 + |c - prior|^2 over c >= 0: the ridge solution on the coefficients
     still free, those it drives below 0 fixed at 0 one at a time (an active set; three unknowns)."""
     free = np.ones(len(prior), dtype=bool)
-    c = np.zeros(len(prior))
-    while free.any():
-        xf = x[:, free]
+    while True:
         c = np.zeros(len(prior))
+        xf = x[:, free]
         c[free] = np.linalg.solve(xf.T @ xf + np.eye(free.sum()), xf.T @ r + prior[free])
-        if (c >= 0).all():
+        if (c >= 0).all():     # all zero at worst: then nothing is free and the loop ends here
             return c
         free[np.argmin(np.where(free, c, np.inf))] = False
-    return c

@@ -30,7 +30,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 #include "vec8.h"
@@ -52,7 +51,6 @@ struct RowArgs {
     const float* q;            // (heads, hd): the query heads of this row that share KV head g
     Pool k, v;
     void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);   // float16 rows -> float32 (per ISA)
-    void (*widen_i8)(float*, const int8_t*, int64_t);      // n int8 codes -> float32
     // rows of int8 codes x their scales -> float32 rows (widen_i8_scaled_*: one call per block)
     void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
     void (*widen_fp8)(float*, const uint8_t*, int64_t);    // n float8 e4m3fn codes -> float32
@@ -130,37 +128,25 @@ using F16 = Half16<WidenF16>;
 using BF16 = Half16<WidenBF16>;
 
 // Quantized pools (localrun/engine/paged_kv.py): value = code * scale, one float32 product, as
-// the store's read computes it. A row's codes are widened to float32 first (exactly, through the
-// kernel's ISA's converter), then scaled in place.
+// the store's read computes it. Code::rows(a, dst, src, sc, n, src_stride, hd, group, sc_stride):
+// n rows of hd codes (src rows src_stride apart) into dst (rows hd apart), row r's value i
+// times sc[r * sc_stride + i / group]. int8 widens and scales a block in one call and one pass
+// (the kernel ISA's widen_i8_scaled); fp8 widens each row exactly, then scales it in place.
 struct Int8Code {
     using E = int8_t;
-    ALWAYS_INLINE static void widen(const RowArgs& a, float* dst, const int8_t* src, int64_t n) { a.widen_i8(dst, src, n); }
+    ALWAYS_INLINE static void rows(const RowArgs& a, float* dst, const int8_t* src, const float* sc, int64_t n,
+                                   int64_t src_stride, int64_t hd, int64_t group, int64_t sc_stride) {
+        a.widen_i8_scaled(dst, src, sc, n, src_stride, hd, group, sc_stride);
+    }
 };
 struct Fp8Code {                   // float8 e4m3fn bytes
     using E = uint8_t;
-    ALWAYS_INLINE static void widen(const RowArgs& a, float* dst, const uint8_t* src, int64_t n) { a.widen_fp8(dst, src, n); }
-};
-
-template <typename Code>
-struct TokenScaled {               // one scale per `group` values of a token's head (group: 32, or hd)
-    using E = typename Code::E;
-    ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
-                                           float* buf, int64_t& stride) {
-        const int64_t hd = a.hd, group = pool.group, groups = hd / group;
-        if constexpr (std::is_same_v<Code, Int8Code>) {           // one call for the block's rows
-            const int64_t at = (a.table[b] * a.block_size + off) * a.n_kv + a.g;
-            a.widen_i8_scaled(buf, static_cast<const int8_t*>(pool.data) + at * hd, pool.scale + at * groups, n,
-                              a.n_kv * hd, hd, group, a.n_kv * groups);
-            stride = hd;
-            return buf;
-        }
-        for (int64_t r = 0; r < n; r++) {
-            const int64_t at = (a.table[b] * a.block_size + off + r) * a.n_kv + a.g;
-            const float* sc = pool.scale + at * groups;
-            float* dst = buf + r * hd;
-            Code::widen(a, dst, static_cast<const E*>(pool.data) + at * hd, hd);
+    ALWAYS_INLINE static void rows(const RowArgs& a, float* dst, const uint8_t* src, const float* sc, int64_t n,
+                                   int64_t src_stride, int64_t hd, int64_t group, int64_t sc_stride) {
+        for (int64_t r = 0; r < n; r++, src += src_stride, dst += hd, sc += sc_stride) {
+            a.widen_fp8(dst, src, hd);
             if (group % 8 == 0) {
-                for (int64_t gi = 0; gi < groups; gi++) {
+                for (int64_t gi = 0; gi < hd / group; gi++) {
                     const v8 s8 = splat8(sc[gi]);
                     for (int64_t i = gi * group; i < (gi + 1) * group; i += 8) store8(dst + i, load8(dst + i) * s8);
                 }
@@ -168,6 +154,18 @@ struct TokenScaled {               // one scale per `group` values of a token's 
                 for (int64_t i = 0; i < hd; i++) dst[i] *= sc[i / group];
             }
         }
+    }
+};
+
+template <typename Code>
+struct TokenScaled {               // one scale per `group` values of a token's head (group: 32, or hd)
+    using E = typename Code::E;
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
+                                           float* buf, int64_t& stride) {
+        const int64_t hd = a.hd, groups = hd / pool.group;
+        const int64_t at = (a.table[b] * a.block_size + off) * a.n_kv + a.g;       // the first row's token and head
+        Code::rows(a, buf, static_cast<const E*>(pool.data) + at * hd, pool.scale + at * groups, n,
+                   a.n_kv * hd, hd, pool.group, a.n_kv * groups);
         stride = hd;
         return buf;
     }
@@ -186,18 +184,12 @@ struct ChannelScaledInt8 {         // int8 with one scale per block per channel:
     }
 };
 
-// int8 and float8 e4m3fn codes -> float32, exact. e4m3fn: sign, 4 exponent bits (bias 7), 3
-// mantissa bits; a normal code's bits move into a float's place with the exponent rebiased
-// (+120), a subnormal one (exponent 0) is mantissa x 2^-9, 0x7f/0xff are NaN (never written:
-// the stores scale values to at most 448).
+// float8 e4m3fn codes -> float32, exact (int8 codes: widen_i8_scaled below). e4m3fn: sign, 4
+// exponent bits (bias 7), 3 mantissa bits; a normal code's bits move into a float's place with
+// the exponent rebiased (+120), a subnormal one (exponent 0) is mantissa x 2^-9, 0x7f/0xff are
+// NaN (never written: the stores scale values to at most 448).
 float fp8_value(uint8_t c) { return static_cast<float>(c10::Float8_e4m3fn(c, c10::Float8_e4m3fn::from_bits())); }
 
-__attribute__((target("avx2,fma"))) void widen_i8_avx2(float* dst, const int8_t* src, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))));
-    for (; i < n; i++) dst[i] = src[i];
-}
 __attribute__((target("avx2,fma"))) void widen_fp8_avx2(float* dst, const uint8_t* src, int64_t n) {
     int64_t i = 0;
     const __m256i low7 = _mm256_set1_epi32(0x7f), exp_bits = _mm256_set1_epi32(0x78), mant = _mm256_set1_epi32(7);
@@ -215,7 +207,6 @@ __attribute__((target("avx2,fma"))) void widen_fp8_avx2(float* dst, const uint8_
     }
     for (; i < n; i++) dst[i] = fp8_value(src[i]);
 }
-void widen_i8_base(float* dst, const int8_t* src, int64_t n) { for (int64_t i = 0; i < n; i++) dst[i] = src[i]; }
 
 // n rows of hd int8 codes (src rows src_stride apart) times their scales into dst (rows hd
 // apart): row r's value i is code x sc[r * sc_stride + i / group], one float32 product (the
@@ -422,7 +413,6 @@ using RowKernel = void (*)(const RowArgs&, PoolType);
 struct Kernels {
     RowKernel attend;
     void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);
-    void (*widen_i8)(float*, const int8_t*, int64_t);
     void (*widen_fp8)(float*, const uint8_t*, int64_t);
     void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 };
@@ -436,9 +426,9 @@ const Kernels& kernels() {
         const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
         if (forced == "ref" || !avx2)
-            return Kernels{&attend_base, &widen_f16_bits, &widen_i8_base, &widen_fp8_base, &widen_i8_scaled_base};
+            return Kernels{&attend_base, &widen_f16_bits, &widen_fp8_base, &widen_i8_scaled_base};
         // every AVX2 CPU has F16C
-        return Kernels{avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2, &widen_f16_f16c, &widen_i8_avx2,
+        return Kernels{avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2, &widen_f16_f16c,
                        &widen_fp8_avx2, &widen_i8_scaled_avx2};
     }();
     return chosen;
@@ -669,8 +659,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
             scratch.resize(heads * (task.end - task.first + 8 + hd) + block_size * hd);
             float* dst = task.part < 0 ? op + (t * H + h0) * hd : partial.data() + (task.part * H + h0) * hd;
             float* dst_ml = task.part < 0 ? nullptr : ml.data() + (task.part * H + h0) * 2;
-            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8, chosen.widen_i8_scaled,
-                               chosen.widen_fp8, tp + seqp[t] * max_blocks, block_size,
+            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8_scaled, chosen.widen_fp8,
+                               tp + seqp[t] * max_blocks, block_size,
                                n_kv, g, hd, task.first, task.end, heads, scale, scratch.data(), dst, dst_ml};
             chosen.attend(args, type);
         }
