@@ -6,6 +6,8 @@ model, same threads, same run. Both sample greedily (argmax of every sequence's 
 Per engine and S: prefill the S prompts (distinct token ids from real text, no shared prefix),
 then time --steps decode steps; aggregate = S * steps / seconds. Best of --repeats.
 Keys: aggregate_S_over_1 (localrun's scaling), vs_llamacpp_S (localrun / llama.cpp at S).
+localrun's model is built for --parallel sequences (default: the largest size), which picks
+the kernel layout of its decode rows, as `serve --parallel` does: "layout" in the JSON.
 Prints a table, then one JSON object as the last line."""
 from __future__ import annotations
 
@@ -115,6 +117,9 @@ def main():
     ap.add_argument("--sizes", default="1,2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kv-type", default=None, help="localrun's KV type (default: the engine's)")
+    ap.add_argument("--parallel", type=int, default=None,
+                    help="the n_parallel localrun's model is built for (default: the largest size); it "
+                         "picks the kernel layout of decode rows (gguf_weight.use_lanes), as serve --parallel does")
     args = ap.parse_args()
 
     import torch
@@ -126,7 +131,11 @@ def main():
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
     path = resolve_model(args.model)
-    llm = LLM(path, n_ctx=args.context + args.steps + 512, n_threads=args.threads)   # bench_localrun's slack
+    parallel = args.parallel or max(sizes)
+    llm = LLM(path, n_ctx=args.context + args.steps + 512, n_threads=args.threads,    # bench_localrun's slack
+              n_parallel=parallel)
+    wqkv = llm.model.layers[0].attention.wqkv
+    layout = "lanes" if kernels.LANES & getattr(wqkv, "kernel_types", [0])[0] else "rows"
     peer = LlamaCppBatch(path, max(sizes), args.context + args.steps + 8, args.threads)
     work = prompts(llm, max(sizes), args.context)
     bench_localrun(llm, work[:2], 2)                           # warm-up both
@@ -139,11 +148,13 @@ def main():
     peer.close()
 
     print(f"model {path.name}, {args.threads} threads, context {args.context}, {args.steps} decode steps, "
-          f"best of {args.repeats}, kernels {kernels.isa()}, localrun KV {args.kv_type or 'default'}")
+          f"best of {args.repeats}, kernels {kernels.isa()} ({layout} layout, built for {parallel} sequences), "
+          f"localrun KV {args.kv_type or 'default'}")
     print("| sequences | localrun tok/s | llama.cpp tok/s | localrun / llama.cpp | localrun S / 1 |")
     print("|---|---|---|---|---|")
     result = {"benchmark": "batched_decode", "cpu": cpu_info(), "model": path.name, "threads": args.threads,
-              "context": args.context, "steps": args.steps, "kernels": kernels.isa(), "kv_type": args.kv_type or "default"}
+              "context": args.context, "steps": args.steps, "kernels": kernels.isa(), "layout": layout,
+              "parallel": parallel, "kv_type": args.kv_type or "default"}
     for s in sizes:
         ours, theirs = best["localrun"][s], best["llama.cpp"][s]
         print(f"| {s} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {ours / best['localrun'][1]:.2f}x |")

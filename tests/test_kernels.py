@@ -63,15 +63,19 @@ def shapes_for(qtype: QT) -> list[tuple[int, int]]:
     return [shape_for(qtype)] + ([(37, 320)] if GGML_QUANT_SIZES[qtype][0] == 32 else [])
 
 
+LAYOUTS = {"rows": 0, "lanes": kernels.LANES}     # the integer kernel's two layouts (a type's LANES bit)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_matmul_equals_float64_reference_for_every_row_count(qtype):
+def test_matmul_equals_float64_reference_for_every_row_count(qtype, layout):
     for n, k in shapes_for(qtype):
         raw = random_blocks(qtype, n, k)
         w = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
         x = np.random.default_rng(1).standard_normal((max(ROWS), k)).astype(np.float32)
         x[3, :32] = 0.0                                       # an all-zero block
         for m in ROWS:
-            y = kernels.qmatmul(torch.from_numpy(x[:m]), [torch.from_numpy(raw)], [int(qtype)]).numpy()
+            y = kernels.qmatmul(torch.from_numpy(x[:m]), [torch.from_numpy(raw)], [int(qtype) | LAYOUTS[layout]]).numpy()
             exact = q8_reference(x[:m]).astype(np.float64) @ w.T
             np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max(), err_msg=f"M={m} K={k}")
             plain = x[:m].astype(np.float64) @ w.T            # the 8-bit activations' own error
@@ -102,12 +106,16 @@ def test_dequantize_equals_gguf(qtype):
     np.testing.assert_allclose(got, dequantize(raw, qtype).reshape(n, k), rtol=1e-6, atol=1e-7)
 
 
-def test_rows_are_bit_identical_in_any_batch():
-    """A row's output is the same bits alone, in any subset, at any position of the call."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_are_bit_identical_in_any_batch(layout):
+    """A row's output is the same bits alone, in any subset, at any position of the call, in
+    either layout (lanes: 8 weight rows side by side, partial tiles at 11 and 13 rows)."""
     rng = np.random.default_rng(4)
+    types = [QT.Q4_K, QT.Q6_K, QT.Q5_1, QT.Q4_1, QT.Q8_0]
     parts = [random_blocks(QT.Q4_K, 40, 512, seed=5), random_blocks(QT.Q6_K, 24, 512, seed=6),
-             random_blocks(QT.Q5_1, 11, 512, seed=10)]
-    weights, qtypes = [torch.from_numpy(p) for p in parts], [int(QT.Q4_K), int(QT.Q6_K), int(QT.Q5_1)]
+             random_blocks(QT.Q5_1, 11, 512, seed=10), random_blocks(QT.Q4_1, 13, 512, seed=11),
+             random_blocks(QT.Q8_0, 9, 512, seed=12)]
+    weights, qtypes = [torch.from_numpy(p) for p in parts], [int(t) | LAYOUTS[layout] for t in types]
     x = torch.from_numpy(rng.standard_normal((33, 512)).astype(np.float32))
     full = kernels.qmatmul(x, weights, qtypes)
     for m in range(33):
@@ -115,6 +123,17 @@ def test_rows_are_bit_identical_in_any_batch():
     for _ in range(10):
         pick = torch.from_numpy(rng.permutation(33)[:rng.integers(2, 33)])
         assert torch.equal(kernels.qmatmul(x[pick], weights, qtypes), full[pick])
+
+
+def test_layouts_agree_up_to_summation_order():
+    """The lane layout computes the same sums as the row layout, in another order."""
+    for qtype in TYPES:
+        n, k = shape_for(qtype)
+        raw = torch.from_numpy(random_blocks(qtype, n, k, seed=13))
+        x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+        rows = kernels.qmatmul(x, [raw], [int(qtype)])
+        lanes = kernels.qmatmul(x, [raw], [int(qtype) | kernels.LANES])
+        torch.testing.assert_close(lanes, rows, rtol=0, atol=4e-6 * rows.abs().max().item(), msg=qtype.name)
 
 
 def test_fused_parts_equal_separate_calls():

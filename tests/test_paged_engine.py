@@ -178,6 +178,27 @@ def test_continuous_batching_equals_each_request_alone(model, prefix_caching, ch
     assert not engine.runner.generators
 
 
+def test_lane_layout_engine_equals_each_request_alone(tiny_gguf):
+    """A model built for 8 parallel sequences multiplies decode rows in the lane layout (on
+    AVX2; gguf_weight.use_lanes) in every call, so each request's greedy tokens under
+    continuous batching are its tokens in the same engine alone, and the layout is the one
+    use_lanes names."""
+    from localrun import kernels
+    from localrun.model.gguf_weight import use_lanes
+    if not kernels.available():
+        pytest.skip("localrun's kernels did not compile here")
+    model = LLM(tiny_gguf("Q4_K", tied_output=False), dtype="float32", quantized=True, n_threads=1,
+                n_parallel=8).model
+    wqkv = model.layers[0].attention.wqkv
+    assert use_lanes(8) == (kernels.isa() == "avx2")
+    assert all(bool(t & kernels.LANES) == use_lanes(8) for t in wqkv.kernel_types), wqkv.kernel_types
+    options = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
+    together = run_all(make_engine(model, 0, **options), PROMPTS, GREEDY)
+    for seq, prompt in zip(together, PROMPTS):
+        alone = run_all(make_engine(model, 0, **options), [prompt], GREEDY)[0]
+        assert seq.generated_token_ids == alone.generated_token_ids, seq.request_id
+
+
 @pytest.mark.parametrize("kv_type", ["int8", "fp8"])
 def test_quantized_kv_through_the_paged_kernel_equals_the_gather_path(tiny_gguf, kv_type, monkeypatch):
     """int8/fp8 decode rows are quantized into the pool and read in place by the paged kernel

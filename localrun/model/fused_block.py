@@ -20,8 +20,8 @@ class FusedDecode:
     def __init__(self, block):
         a, f = block.attention, block.feed_forward
         self.args = (block.attention_norm.weight, block.ffn_norm.weight, block.ffn_norm.eps,
-                     a.wqkv.parts, a.wqkv.qtypes, a.wo.parts, a.wo.qtypes,
-                     f.w13.parts, f.w13.qtypes, f.w2.parts, f.w2.qtypes)
+                     a.wqkv.parts, a.wqkv.kernel_types, a.wo.parts, a.wo.kernel_types,
+                     f.w13.parts, f.w13.kernel_types, f.w2.parts, f.w2.kernel_types)
         self.layer, self.n_head, self.n_kv, self.neox = a.layer, a.n_head, a.n_head_kv, a.neox
         self.window = a.window or 0
         weight = lambda norm: None if norm is None else norm.weight

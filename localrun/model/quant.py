@@ -402,14 +402,17 @@ def kind_of(t: FileTensor, device: torch.device, quantized: bool) -> str:
     return "plain"
 
 
-def make_weight(parts: list[FileTensor], device: torch.device, dtype: torch.dtype, quantized: bool):
+def make_weight(parts: list[FileTensor], device: torch.device, dtype: torch.dtype, quantized: bool,
+                lanes: bool = False):
     """The fused weight of parts stacked along N (e.g. q, k, v -> wqkv), held quantized where a
-    kernel exists for all of them, else per part (ConcatWeight), else dequantized (PlainWeight)."""
+    kernel exists for all of them, else per part (ConcatWeight), else dequantized (PlainWeight).
+    lanes: in-place weights multiply decode rows in the lane layout (gguf_weight.use_lanes)."""
     if in_place(parts, device, quantized):
-        return GGUFWeight([rows_tensor(p.raw) for p in parts], [int(p.qtype) for p in parts], parts[0].shape[1])
+        return GGUFWeight([rows_tensor(p.raw) for p in parts], [int(p.qtype) for p in parts], parts[0].shape[1],
+                          lanes)
     kinds = [kind_of(p, device, quantized) for p in parts]
     if len(set(kinds)) > 1:
-        return ConcatWeight([make_weight([p], device, dtype, quantized) for p in parts])
+        return ConcatWeight([make_weight([p], device, dtype, quantized, lanes) for p in parts])
     kind = kinds[0]
     if kind == "int4":
         groups = [int4_groups(p.raw, p.qtype, p.shape) for p in parts]
@@ -424,11 +427,11 @@ def make_weight(parts: list[FileTensor], device: torch.device, dtype: torch.dtyp
 HEAD_INT8_LEVELS = 2
 
 
-def make_embedding(t: FileTensor, device: torch.device, dtype: torch.dtype, quantized: bool):
+def make_embedding(t: FileTensor, device: torch.device, dtype: torch.dtype, quantized: bool, lanes: bool = False):
     """The token table: two-level int8 rows for a quantized file tensor, so that a tied output
     head can share it (Int8Weight), else plain."""
     if in_place([t], device, quantized):
-        return GGUFWeight([rows_tensor(t.raw)], [int(t.qtype)], t.shape[1])
+        return GGUFWeight([rows_tensor(t.raw)], [int(t.qtype)], t.shape[1], lanes)
     if quantized and t.qtype not in (QT.F32, QT.F16, QT.BF16):
         return Int8Weight.from_float(t.to_float(), device, levels=HEAD_INT8_LEVELS, split_activations=True,
                                      refine_top=True)

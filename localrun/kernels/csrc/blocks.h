@@ -84,8 +84,10 @@ struct QX {
     const float* d;        // (M, K/32)
     const int32_t* s;      // (M, K/16)
     int64_t K;
-    const float* dxv;      // (M, K/32, 8): d in every lane (SIMD paths)
-    const float* sxv;      // (M, K/32, 8): d * s[half] / 4 in the half's 4 lanes (SIMD paths)
+    const float* dxv;      // (M, K/32, 8): d in every lane (AVX-512 path)
+    const float* sxv;      // (M, K/32, 8): d * s[half] / 4 in the half's 4 lanes (AVX-512 path)
+    const float* sxh;      // (M, K/16): d * s per half (AVX2 path)
+    const float* sxg;      // (M, K/32): d * (s of both halves) per group (AVX2 path)
 };
 
 }  // namespace localrun

@@ -18,15 +18,15 @@
 
 namespace localrun {
 namespace avx2 {
-bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
+bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t, bool);
 bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*, float*, float*);
 bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 }
 namespace avx512 {
-bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t);
+bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t, bool);
 bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*, float*, float*);
 bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 }
 
@@ -60,6 +60,12 @@ std::string isa_name() {
     switch (isa()) { case Isa::Avx512: return "avx512"; case Isa::Avx2: return "avx2"; default: return "ref"; }
 }
 
+// A weight's type with this bit set asks for the lane layout of the integer kernel (AVX2: eight
+// weight rows side by side, qmatmul_simd.h): faster from a few activation rows on, slower for
+// one. A call's rows get the same bits whatever their number in either layout; the layouts
+// differ from each other by summation order, so an engine uses one (localrun/model/gguf_weight.py).
+constexpr int64_t LANES = 1 << 8;
+
 int64_t row_bytes_of(int qtype, int64_t K) {
     int values, bytes;
     block_shape(qtype, values, bytes);
@@ -68,11 +74,12 @@ int64_t row_bytes_of(int qtype, int64_t K) {
     return K / values * bytes;
 }
 
-void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_t* s, float* dxv, float* sxv) {
+void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_t* s, float* dxv, float* sxv,
+              float* sxh, float* sxg) {
     auto body = [&](int64_t m0, int64_t m1) {
         switch (isa()) {
-            case Isa::Avx512: avx512::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv); break;
-            case Isa::Avx2: avx2::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv); break;
+            case Isa::Avx512: avx512::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv, sxh, sxg); break;
+            case Isa::Avx2: avx2::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv, sxh, sxg); break;
             default:
                 for (int64_t m = m0; m < m1; m++)
                     quantize_row_ref(x + m * K, K, qs + m * K, d + m * (K / 32), s + m * (K / 16));
@@ -82,10 +89,10 @@ void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_
 }
 
 void matmul_range(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
-                  float* y, int64_t ldy) {
+                  float* y, int64_t ldy, bool lanes) {
     switch (isa()) {
-        case Isa::Avx512: avx512::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy); return;
-        case Isa::Avx2: avx2::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy); return;
+        case Isa::Avx512: avx512::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy, lanes); return;
+        case Isa::Avx2: avx2::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy, lanes); return;
         default:
             for (int64_t n = n0; n < n1; n++)
                 for (int64_t m = 0; m < M; m++) y[m * ldy + n] = dot_row_ref(qtype, w + n * row_bytes, qx, m);
@@ -116,14 +123,16 @@ void matmul_range_f32(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0
 // the call read it; nothing keeps it past the call.
 struct ActivationBuffers {
     std::vector<float> storage;
-    int8_t* qs; float* d; int32_t* s; float* dxv; float* sxv;
+    int8_t* qs; float* d; int32_t* s; float* dxv; float* sxv; float* sxh; float* sxg;
 };
 
 ActivationBuffers& activation_buffers(int64_t M, int64_t K) {
     thread_local ActivationBuffers buf;
     const int64_t qs_floats = (M * K + 3) / 4, d = M * (K / 32), s = M * (K / 16), v = M * (K / 32) * 8;
-    buf.storage.resize(std::max<size_t>(buf.storage.size(), qs_floats + d + s + 2 * v));
+    const int64_t h = isa() == Isa::Avx2 ? M * (K / 16) : 0, g = h / 2;     // the lane layout's sums
+    buf.storage.resize(std::max<size_t>(buf.storage.size(), qs_floats + d + s + 2 * v + h + g));
     float* p = buf.storage.data();
+    buf.sxh = h ? p : nullptr; buf.sxg = h ? p + h : nullptr; p += h + g;
     buf.dxv = p; buf.sxv = p + v; buf.d = p + 2 * v;
     buf.s = reinterpret_cast<int32_t*>(p + 2 * v + d);
     buf.qs = reinterpret_cast<int8_t*>(p + 2 * v + d + s);
@@ -137,12 +146,14 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "localrun::qmatmul: K must be a multiple of 32, got ", K);
     std::vector<int64_t> starts{0};
+    std::vector<int> types;                 // the GGML types, without the LANES bit
     for (size_t i = 0; i < weights.size(); i++) {
         const at::Tensor& w = weights[i];
+        types.push_back((int)(qtypes[i] & ~LANES));
         TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
                     "localrun::qmatmul: weights must be contiguous (N, row bytes) uint8");
-        TORCH_CHECK(w.size(1) == row_bytes_of((int)qtypes[i], K), "localrun::qmatmul: weight ", i, " has ", w.size(1),
-                    " bytes per row, its type needs ", row_bytes_of((int)qtypes[i], K));
+        TORCH_CHECK(w.size(1) == row_bytes_of(types[i], K), "localrun::qmatmul: weight ", i, " has ", w.size(1),
+                    " bytes per row, its type needs ", row_bytes_of(types[i], K));
         starts.push_back(starts.back() + w.size(0));
     }
     const int64_t N = starts.back();
@@ -162,16 +173,16 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
         const float* xp = x.data_ptr<float>();
         over_rows([&](size_t i, int64_t n0, int64_t n1) {
             const at::Tensor& w = weights[i];
-            matmul_range_f32((int)qtypes[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, xp, K, M, out + starts[i], N);
+            matmul_range_f32(types[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, xp, K, M, out + starts[i], N);
         });
         return y;
     }
     ActivationBuffers& buf = activation_buffers(M, K);
-    quantize(x.data_ptr<float>(), M, K, buf.qs, buf.d, buf.s, buf.dxv, buf.sxv);
-    const QX qx{buf.qs, buf.d, buf.s, K, buf.dxv, buf.sxv};
+    quantize(x.data_ptr<float>(), M, K, buf.qs, buf.d, buf.s, buf.dxv, buf.sxv, buf.sxh, buf.sxg);
+    const QX qx{buf.qs, buf.d, buf.s, K, buf.dxv, buf.sxv, buf.sxh, buf.sxg};
     over_rows([&](size_t i, int64_t n0, int64_t n1) {   // part i's rows n0..n1, at column offset starts[i]
         const at::Tensor& w = weights[i];
-        matmul_range((int)qtypes[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, qx, M, out + starts[i], N);
+        matmul_range(types[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, qx, M, out + starts[i], N, qtypes[i] & LANES);
     });
     return y;
 }

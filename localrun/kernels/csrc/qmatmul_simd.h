@@ -7,6 +7,8 @@
 //
 // Include after defining ISA_NS (the namespace) and, for VNNI, LOCALRUN_VNNI.
 #include <immintrin.h>
+#include <algorithm>
+#include <vector>
 #include "blocks.h"
 
 namespace localrun { namespace ISA_NS {
@@ -328,6 +330,217 @@ static void rows_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
     }
 }
 
+#ifndef LOCALRUN_VNNI
+// ---- The lane layout (AVX2; a weight's kernel type with LANES set, ops.cpp) ----
+//
+// AVX2: eight weight rows side by side, one per 32-bit lane, as ggml's repacked GEMMs lay them
+// out, but transposed on the fly from the file's blocks into a per-thread tile (Tile8) that
+// every activation row then reads. A group's integer dot products for the 8 rows come out in
+// the 8 lanes of one register: per step of 4 codes, one maddubs of the rows' codes against the
+// activation's 4 bytes broadcast, int16 sums over STEPS steps, one madd. The scales multiply
+// whole lanes, so nothing is summed across lanes, and a lane's arithmetic (one row times one
+// activation row) is the same whatever rows share the tile or the call.
+
+// Steps of 4 codes whose u8 x s8 pair sums add up in int16 without saturating (activations are
+// -127..127): 2 * 15 * 127 * 8, 2 * 31 * 127 * 4 and 2 * 63 * 127 * 2 stay under 32767.
+template <int QT> constexpr int STEPS = QT == Q6_K ? 2 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 4 : 8;
+template <int QT> constexpr bool HALVES = QT == Q6_K;     // a and b differ between a group's halves
+
+struct Tile8 {                    // 8 weight rows of K values
+    std::vector<uint8_t> rows;    // (8, K) codes as decoded, before transposition
+    std::vector<__m256i> q;       // (K/32, 8): q[8g + j], lane i = codes 4j..4j+3 of group g of row i
+    std::vector<float> ab;        // (K/32, 4, 8): a of half 0, a of half 1, b of half 0, b of half 1; lane i = row i
+};
+
+// 8 x 8 transposition of 32-bit words: out[j] lane i = word j of in[i]
+static inline void transpose8(const __m256i* in, __m256i* out) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(in[i], in[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(in[i], in[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        out[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+        out[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+    }
+}
+
+// The 32-bit words at byte offset `at` of the 8 rows, lane i = row i (built in registers: eight
+// narrow stores and one wide load would stall store-to-load forwarding).
+static inline __m256i words8(const uint8_t* const* rp, int64_t at) {
+    auto word = [&](int i) { int32_t v; std::memcpy(&v, rp[i] + at, 4); return v; };
+    return _mm256_set_epi32(word(7), word(6), word(5), word(4), word(3), word(2), word(1), word(0));
+}
+
+// The two half floats at the start of each row's block (d and m, or d and whatever follows),
+// as 8 floats each: lane i = row i.
+static inline void halfs8(const uint8_t* const* rp, int64_t at, __m256& first, __m256& second) {
+    const __m256i w = words8(rp, at);
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, split), _MM_SHUFFLE(3, 1, 2, 0));
+    first = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    second = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// The 32-value types decode group g of 8 rows at once, straight into the transposed form:
+// a block's 16 bytes of nibbles hold values l (low) and l + 16 (high) in byte l, so word j of
+// the bytes gives steps j (low nibbles) and j + 4 (high ones).
+template <int QT> constexpr bool LOCKSTEP = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1;
+
+template <int QT>
+static inline void group8(const uint8_t* const* rp, int64_t g, __m256i* q, float* ab) {
+    constexpr int bytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : 24;
+    const int64_t at = g * bytes;
+    {
+        constexpr int qs_at = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
+        __m256i r[4];
+        for (int k = 0; k < 4; k++)
+            r[k] = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(rp[k + 4] + at + qs_at)),
+                                    _mm_loadu_si128((const __m128i*)(rp[k] + at + qs_at)));
+        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i words[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                                  _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_and_si256(words[j], low4);
+            q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(words[j], 4), low4);
+        }
+        if constexpr (QT == Q5_0 || QT == Q5_1) {       // bit l of qh: the 5th bit of value l
+            constexpr int qh_at = QT == Q5_0 ? 2 : 4;
+            const __m256i h = words8(rp, at + qh_at);
+            const __m256i spread = _mm256_set_epi8(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0,
+                                                   12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+            const __m256i bit = _mm256_set1_epi32(0x08040201);
+            for (int j = 0; j < 8; j++) {   // byte k of a word <- bit 4j + k of its row's qh, as 0x10
+                const __m256i nib = _mm256_shuffle_epi8(_mm256_srli_epi32(h, 4 * j), spread);
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(nib, bit), bit);
+                q[j] = _mm256_or_si256(q[j], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+            }
+        }
+    }
+    __m256 a, b;
+    halfs8(rp, at, a, b);
+    if constexpr (QT == Q4_0) b = _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
+    if constexpr (QT == Q5_0) b = _mm256_mul_ps(a, _mm256_set1_ps(-16.f));
+    _mm256_storeu_ps(ab, a); _mm256_storeu_ps(ab + 8, a);
+    _mm256_storeu_ps(ab + 16, b); _mm256_storeu_ps(ab + 24, b);
+}
+
+// Rows n0 .. n0 + rows - 1 (rows <= 8) of a weight into t. The lanes past `rows` repeat the last
+// row (each lane is computed on its own, and those are never stored).
+template <int QT>
+static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows, int64_t K, Tile8& t) {
+    const int64_t G = K / 32;
+    t.q.resize(8 * G); t.ab.resize(32 * G);
+    const uint8_t* rp[8];
+    for (int i = 0; i < 8; i++) rp[i] = w + (n0 + std::min(i, rows - 1)) * row_bytes;
+    if constexpr (LOCKSTEP<QT>) {
+        // Reading 8 rows side by side defeats the hardware prefetcher (8 streams a thread), so
+        // the next tile (the next 8 rows, contiguous) is asked for, a few lines per group.
+        const uint8_t* next = w + (n0 + 8) * row_bytes;
+        const int64_t span = 8 * row_bytes, per = ((span + 63) / 64 + G - 1) / G * 64;
+        for (int64_t g = 0; g < G; g++) {
+            for (int64_t off = g * per; off < std::min(span, (g + 1) * per); off += 64)
+                _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
+            group8<QT>(rp, g, t.q.data() + 8 * g, t.ab.data() + 32 * g);
+        }
+        return;
+    }
+    // K-quants: each row decoded group by group (for_each_group), then each group transposed
+    t.rows.resize(8 * K);
+    for (int i = 0; i < 8; i++) {
+        uint8_t* codes = t.rows.data() + i * K;
+        float* ab = t.ab.data() + i;
+        for_each_group<QT>(rp[i], K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
+            _mm256_storeu_si256((__m256i*)(codes + 32 * g), q);
+            ab[32 * g] = _mm256_cvtss_f32(a);
+            ab[32 * g + 8] = _mm_cvtss_f32(_mm256_extractf128_ps(a, 1));
+            ab[32 * g + 16] = _mm256_cvtss_f32(b);
+            ab[32 * g + 24] = _mm_cvtss_f32(_mm256_extractf128_ps(b, 1));
+        });
+    }
+    for (int64_t g = 0; g < G; g++) {
+        __m256i r[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(t.rows.data() + i * K + 32 * g));
+        transpose8(r, t.q.data() + 8 * g);
+    }
+}
+
+// y[m0 + r, n0 + i] for r < R, i < rows, from the tile of rows n0 ..
+template <int QT, int R>
+static void tile_rows(const Tile8& t, const QX& qx, int64_t m0, float* y, int64_t ldy, int64_t n0, int rows) {
+    const int64_t K = qx.K, G = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m256i* q = t.q.data() + 8 * g;
+        const float* ab = t.ab.data() + 32 * g;
+        for (int r = 0; r < R; r++) {
+            const uint8_t* x = (const uint8_t*)(qx.qs + (m0 + r) * K + 32 * g);
+            auto step = [&](int j) __attribute__((always_inline)) {   // 16 int16 lanes: codes 4j..4j+3 of each row times x's
+                uint32_t x4; std::memcpy(&x4, x + 4 * j, 4);
+                const __m256i xb = _mm256_set1_epi32((int)x4);
+                return _mm256_maddubs_epi16(q[j], xb);
+            };
+            auto half_sum = [&](int j0, int j1) __attribute__((always_inline)) {     // int32 lanes: steps j0 .. j1 - 1
+                __m256i s32 = _mm256_setzero_si256();
+                for (int j = j0; j < j1; j += STEPS<QT>) {
+                    __m256i s16 = step(j);
+                    for (int k = j + 1; k < j + STEPS<QT> && k < j1; k++) s16 = _mm256_add_epi16(s16, step(k));
+                    s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16, ones));
+                }
+                return s32;
+            };
+            const __m256 dx = _mm256_broadcast_ss(qx.d + (m0 + r) * G + g);
+            if constexpr (HALVES<QT>) {
+                const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sum(0, 4)), _mm256_mul_ps(_mm256_loadu_ps(ab), dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sum(4, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(sh), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 24), _mm256_broadcast_ss(sh + 1), acc[r]);
+            } else {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sum(0, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab), dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(qx.sxg + (m0 + r) * G + g), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float* out = y + (m0 + r) * ldy + n0;
+        if (rows == 8) { _mm256_storeu_ps(out, acc[r]); continue; }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[r]);
+        for (int i = 0; i < rows; i++) out[i] = lanes[i];
+    }
+}
+
+template <int QT>
+static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
+                      float* y, int64_t ldy) {
+    thread_local Tile8 tile;
+    for (int64_t nt = n0; nt < n1; nt += 8) {
+        const int rows = (int)std::min<int64_t>(8, n1 - nt);
+        build_tile<QT>(w, row_bytes, nt, rows, qx.K, tile);
+        int64_t m = 0;
+        for (; m + TILE <= M; m += TILE) tile_rows<QT, TILE>(tile, qx, m, y, ldy, nt, rows);
+        switch (M - m) {
+            case 3: tile_rows<QT, 3>(tile, qx, m, y, ldy, nt, rows); break;
+            case 2: tile_rows<QT, 2>(tile, qx, m, y, ldy, nt, rows); break;
+            case 1: tile_rows<QT, 1>(tile, qx, m, y, ldy, nt, rows); break;
+            default: break;
+        }
+    }
+}
+#endif
+
 // Float32 activations (prompt rows): each group dequantized in registers, times x in float32.
 // No activation rounding, so the result differs from a float32 GEMM on the dequantized
 // weights by summation order only. Every row runs the same instructions whatever the tile.
@@ -431,7 +644,22 @@ bool matmul_rows_f32(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0,
 
 // The entry points the dispatcher calls (ops.cpp).
 bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
-                 float* y, int64_t ldy) {
+                 float* y, int64_t ldy, bool lanes) {
+#ifndef LOCALRUN_VNNI
+    if (lanes) {
+        switch (qtype) {
+            case Q4_0: lanes_all<Q4_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+            case Q4_1: lanes_all<Q4_1>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+            case Q5_0: lanes_all<Q5_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+            case Q5_1: lanes_all<Q5_1>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+            case Q4_K: lanes_all<Q4_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+            case Q5_K: lanes_all<Q5_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+            case Q6_K: lanes_all<Q6_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+            default: break;   // Q8_0 keeps the row layout: its codes are whole bytes, so transposing
+                              // them costs more than the lanes save (3x slower at one activation row)
+        }
+    }
+#endif
     switch (qtype) {
         case Q4_0: rows_all<Q4_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
         case Q4_1: rows_all<Q4_1>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
@@ -447,7 +675,7 @@ bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int
 
 // Quantize rows [m0, m1) of x (M, K) to the activation format: round half to even, as the reference.
 void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs, float* d, int32_t* s,
-                   float* dxv, float* sxv) {
+                   float* dxv, float* sxv, float* sxh, float* sxg) {
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     for (int64_t m = m0; m < m1; m++) {
         for (int64_t b = 0; b < K / 32; b++) {
@@ -478,6 +706,11 @@ void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs
             float* dv = dxv + (m * (K / 32) + b) * LANES;
             float* sv = sxv + (m * (K / 32) + b) * LANES;
             for (int i = 0; i < LANES; i++) { dv[i] = scale; sv[i] = scale * (float)(i < 4 ? a0 : a1) * 0.25f; }
+            if (sxh) {                                   // the lane layout's sums (AVX2)
+                sxh[m * (K / 16) + 2 * b] = scale * (float)a0;
+                sxh[m * (K / 16) + 2 * b + 1] = scale * (float)a1;
+                sxg[m * (K / 32) + b] = scale * (float)(a0 + a1);
+            }
             // pack int32 -> int8 in order
             __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
             __m256i p = _mm256_packs_epi16(p01, p23);
