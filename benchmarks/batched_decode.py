@@ -55,6 +55,67 @@ def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None 
     return generated / seconds
 
 
+def gguf_weights(model) -> list:
+    """The model's in-place weights (GGUFWeight), found through its modules' attributes."""
+    import torch
+
+    from localrun.model.gguf_weight import GGUFWeight
+    found, seen = [], set()
+
+    def visit(v):
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        if isinstance(v, GGUFWeight):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, torch.nn.Module) or type(v).__module__.startswith("localrun."):
+            for x in vars(v).values():
+                visit(x)
+            for x in (v.children() if isinstance(v, torch.nn.Module) else ()):
+                visit(x)
+    visit(model)
+    return found
+
+
+def compare_layouts(llm, batch: list[list[int]], steps: int) -> tuple[float, float]:
+    """Median decode-step seconds (rows layout, lanes layout) of one engine whose weights switch
+    layout every step: both in one process, interleaved, so a host whose speed drifts between
+    runs (±15-30% on shared 2-core machines) shows the difference between layouts. The token
+    streams differ from run to run (the layouts round differently); the timing is the point."""
+    import statistics
+    from localrun import kernels
+    from localrun.engine.llm_engine import LLMEngine
+    from localrun.sampling import SamplingParams
+    weights = gguf_weights(llm.model)
+    assert weights, "the model has no in-place quantized weights (no kernels, or a float file)"
+
+    def use(lanes: bool):                   # in place: the fused decode blocks hold these lists
+        for w in weights:
+            w.kernel_types[:] = [q | kernels.LANES if lanes else q for q in w.qtypes]
+    slack = 512                             # as bench_localrun: every sequence still runs in the timed steps
+    engine = LLMEngine(llm.model, max_model_len=len(batch[0]) + 2 * steps + slack, max_num_seqs=len(batch),
+                       max_num_batched_tokens=2048, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=2 * steps + slack, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch)]
+    while any(not s.generated_token_ids for s in seqs):
+        engine.step()
+    before = sum(len(s.generated_token_ids) for s in seqs)
+    times = {False: [], True: []}
+    for k in range(2 * steps):
+        lanes = k % 2 == 1
+        use(lanes)
+        t0 = time.perf_counter()
+        engine.step()
+        times[lanes].append(time.perf_counter() - t0)
+    use(False)
+    generated = sum(len(s.generated_token_ids) for s in seqs) - before
+    assert generated == 2 * steps * len(batch), f"{generated} tokens in {2 * steps} steps of {len(batch)} sequences"
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 class LlamaCppBatch:
     """llama.cpp's own multi-sequence decoding: one context with n_seq_max sequences."""
 
@@ -120,6 +181,9 @@ def main():
     ap.add_argument("--parallel", type=int, default=None,
                     help="the n_parallel localrun's model is built for (default: the largest size); it "
                          "picks the kernel layout of decode rows (gguf_weight.use_lanes), as serve --parallel does")
+    ap.add_argument("--compare-layouts", action="store_true",
+                    help="instead: the integer kernel's rows and lanes layouts, alternating step by step in one "
+                         "engine, step time per size (no llama.cpp)")
     args = ap.parse_args()
 
     import torch
@@ -132,10 +196,12 @@ def main():
     sizes = [int(s) for s in args.sizes.split(",")]
     path = resolve_model(args.model)
     parallel = args.parallel or max(sizes)
-    llm = LLM(path, n_ctx=args.context + args.steps + 512, n_threads=args.threads,    # bench_localrun's slack
+    llm = LLM(path, n_ctx=args.context + 2 * args.steps + 512, n_threads=args.threads,   # compare_layouts' slack
               n_parallel=parallel)
     wqkv = llm.model.layers[0].attention.wqkv
     layout = "lanes" if kernels.LANES & getattr(wqkv, "kernel_types", [0])[0] else "rows"
+    if args.compare_layouts:
+        return layouts_report(llm, path, sizes, args)
     peer = LlamaCppBatch(path, max(sizes), args.context + args.steps + 8, args.threads)
     work = prompts(llm, max(sizes), args.context)
     bench_localrun(llm, work[:2], 2)                           # warm-up both
@@ -163,6 +229,26 @@ def main():
         result[f"aggregate_{s}_over_1"] = round(ours / best["localrun"][1], 3)
         result[f"llamacpp_aggregate_{s}_over_1"] = round(theirs / best["llama.cpp"][1], 3)
         result[f"vs_llamacpp_{s}"] = round(ours / theirs, 3)
+    print(json.dumps(result))
+
+
+def layouts_report(llm, path, sizes: list[int], args) -> None:
+    from localrun import kernels
+    from localrun.cpu_info import cpu_info
+    work = prompts(llm, max(sizes), args.context)
+    compare_layouts(llm, work[:2], 4)                          # warm-up
+    print(f"model {path.name}, {args.threads} threads, context {args.context}, {2 * args.steps} steps alternating "
+          f"layouts, kernels {kernels.isa()} (median step)")
+    print("| sequences | rows ms | lanes ms | lanes / rows |")
+    print("|---|---|---|---|")
+    result = {"benchmark": "batched_decode_layouts", "cpu": cpu_info(), "model": path.name, "threads": args.threads,
+              "context": args.context, "steps": args.steps, "kernels": kernels.isa()}
+    for s in sizes:
+        rows, lanes = compare_layouts(llm, work[:s], args.steps)
+        print(f"| {s} | {rows * 1e3:.1f} | {lanes * 1e3:.1f} | {lanes / rows:.3f} |")
+        result[f"rows_ms_{s}"] = round(rows * 1e3, 2)
+        result[f"lanes_ms_{s}"] = round(lanes * 1e3, 2)
+        result[f"lanes_over_rows_{s}"] = round(lanes / rows, 3)
     print(json.dumps(result))
 
 
