@@ -3,7 +3,9 @@
 // Both use 256-bit vectors, one 32-value group per register. Each weight group is decoded to
 // u8 codes once and multiplied by up to TILE activation rows; every row runs the same
 // instructions in the same order whatever the tile, so a row's result never depends on the
-// other rows of a call (bit for bit).
+// other rows of a call (bit for bit). AVX2 also has a lane layout (below: eight weight rows
+// side by side), which a weight's kernel type asks for; it too gives every row the same bits
+// whatever shares the call.
 //
 // Include after defining ISA_NS (the namespace) and, for VNNI, LOCALRUN_VNNI.
 #include <immintrin.h>
@@ -347,7 +349,7 @@ template <int QT> constexpr int STEPS = QT == Q6_K ? 2 : (QT == Q5_0 || QT == Q5
 template <int QT> constexpr bool HALVES = QT == Q6_K;     // a and b differ between a group's halves
 
 struct Tile8 {                    // 8 weight rows of K values
-    std::vector<uint8_t> rows;    // (8, K) codes as decoded, before transposition
+    std::vector<uint8_t> rows;    // K-quants: (8, K) codes as decoded, before transposition
     std::vector<__m256i> q;       // (K/32, 8): q[8g + j], lane i = codes 4j..4j+3 of group g of row i
     std::vector<float> ab;        // (K/32, 4, 8): a of half 0, a of half 1, b of half 0, b of half 1; lane i = row i
 };
@@ -398,32 +400,30 @@ template <int QT>
 static inline void group8(const uint8_t* const* rp, int64_t g, __m256i* q, float* ab) {
     constexpr int bytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : 24;
     const int64_t at = g * bytes;
-    {
-        constexpr int qs_at = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
-        __m256i r[4];
-        for (int k = 0; k < 4; k++)
-            r[k] = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(rp[k + 4] + at + qs_at)),
-                                    _mm_loadu_si128((const __m128i*)(rp[k] + at + qs_at)));
-        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-        const __m256i words[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                                  _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
-        for (int j = 0; j < 4; j++) {
-            q[j] = _mm256_and_si256(words[j], low4);
-            q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(words[j], 4), low4);
-        }
-        if constexpr (QT == Q5_0 || QT == Q5_1) {       // bit l of qh: the 5th bit of value l
-            constexpr int qh_at = QT == Q5_0 ? 2 : 4;
-            const __m256i h = words8(rp, at + qh_at);
-            const __m256i spread = _mm256_set_epi8(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0,
-                                                   12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
-            const __m256i bit = _mm256_set1_epi32(0x08040201);
-            for (int j = 0; j < 8; j++) {   // byte k of a word <- bit 4j + k of its row's qh, as 0x10
-                const __m256i nib = _mm256_shuffle_epi8(_mm256_srli_epi32(h, 4 * j), spread);
-                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(nib, bit), bit);
-                q[j] = _mm256_or_si256(q[j], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-            }
+    constexpr int qs_at = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
+    __m256i r[4];
+    for (int k = 0; k < 4; k++)
+        r[k] = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(rp[k + 4] + at + qs_at)),
+                                _mm_loadu_si128((const __m128i*)(rp[k] + at + qs_at)));
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i words[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        q[j] = _mm256_and_si256(words[j], low4);
+        q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(words[j], 4), low4);
+    }
+    if constexpr (QT == Q5_0 || QT == Q5_1) {       // bit l of qh: the 5th bit of value l
+        constexpr int qh_at = QT == Q5_0 ? 2 : 4;
+        const __m256i h = words8(rp, at + qh_at);
+        const __m256i spread = _mm256_set_epi8(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0,
+                                               12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+        const __m256i bit = _mm256_set1_epi32(0x08040201);
+        for (int j = 0; j < 8; j++) {   // byte k of a word <- bit 4j + k of its row's qh, as 0x10
+            const __m256i nib = _mm256_shuffle_epi8(_mm256_srli_epi32(h, 4 * j), spread);
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(nib, bit), bit);
+            q[j] = _mm256_or_si256(q[j], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
         }
     }
     __m256 a, b;
