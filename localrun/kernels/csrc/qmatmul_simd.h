@@ -454,7 +454,39 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
         }
         return;
     }
-    // K-quants: each row decoded group by group (for_each_group), then each group transposed
+    if constexpr (QT == Q4_K) {
+        // a super-block's 32-byte chunk c of codes holds group 2c in its low nibbles and 2c + 1
+        // in its high ones, value l in byte l: word s of the chunk is step s of both groups
+        const int64_t span = 8 * row_bytes, per = ((span + 63) / 64 + K / 256 - 1) / (K / 256) * 64;
+        const uint8_t* next = w + (n0 + 8) * row_bytes;
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            for (int64_t off = sb * per; off < std::min(span, (sb + 1) * per); off += 64)
+                _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
+            for (int i = 0; i < 8; i++) {
+                const uint8_t* blk = rp[i] + sb * 144;
+                const float d = f16(blk), dmin = f16(blk + 2);
+                for (int j = 0; j < 8; j++) {
+                    int sc, m; scale_min_k4(j, blk + 4, sc, m);
+                    float* ab = t.ab.data() + 32 * (8 * sb + j) + i;
+                    ab[0] = ab[8] = d * (float)sc;
+                    ab[16] = ab[24] = -dmin * (float)m;
+                }
+            }
+            for (int c = 0; c < 4; c++) {
+                __m256i r[8], words[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * 144 + 16 + 32 * c));
+                transpose8(r, words);
+                __m256i* lo = t.q.data() + 8 * (8 * sb + 2 * c);
+                for (int s = 0; s < 8; s++) {
+                    lo[s] = _mm256_and_si256(words[s], low4);
+                    lo[8 + s] = _mm256_and_si256(_mm256_srli_epi16(words[s], 4), low4);
+                }
+            }
+        }
+        return;
+    }
+    // Q5_K, Q6_K: each row decoded group by group (for_each_group), then each group transposed
     t.rows.resize(8 * K);
     for (int i = 0; i < 8; i++) {
         uint8_t* codes = t.rows.data() + i * K;
