@@ -126,10 +126,11 @@ struct ActivationBuffers {
     int8_t* qs; float* d; int32_t* s; float* dxv; float* sxv; float* sxh; float* sxg;
 };
 
-ActivationBuffers& activation_buffers(int64_t M, int64_t K) {
+// lane_sums: also room for the lane layout's sums (sxh, sxg), else they are null and not computed
+ActivationBuffers& activation_buffers(int64_t M, int64_t K, bool lane_sums) {
     thread_local ActivationBuffers buf;
     const int64_t qs_floats = (M * K + 3) / 4, d = M * (K / 32), s = M * (K / 16), v = M * (K / 32) * 8;
-    const int64_t h = isa() == Isa::Avx2 ? M * (K / 16) : 0, g = h / 2;     // the lane layout's sums
+    const int64_t h = lane_sums ? M * (K / 16) : 0, g = h / 2;
     buf.storage.resize(std::max<size_t>(buf.storage.size(), qs_floats + d + s + 2 * v + h + g));
     float* p = buf.storage.data();
     buf.sxh = h ? p : nullptr; buf.sxg = h ? p + h : nullptr; p += h + g;
@@ -147,9 +148,11 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
     TORCH_CHECK(K % 32 == 0, "localrun::qmatmul: K must be a multiple of 32, got ", K);
     std::vector<int64_t> starts{0};
     std::vector<int> types;                 // the GGML types, without the LANES bit
+    bool lanes = false;                     // a part asks for the lane layout, which only AVX2 has
     for (size_t i = 0; i < weights.size(); i++) {
         const at::Tensor& w = weights[i];
         types.push_back((int)(qtypes[i] & ~LANES));
+        lanes |= (qtypes[i] & LANES) && isa() == Isa::Avx2;
         TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
                     "localrun::qmatmul: weights must be contiguous (N, row bytes) uint8");
         TORCH_CHECK(w.size(1) == row_bytes_of(types[i], K), "localrun::qmatmul: weight ", i, " has ", w.size(1),
@@ -177,7 +180,7 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
         });
         return y;
     }
-    ActivationBuffers& buf = activation_buffers(M, K);
+    ActivationBuffers& buf = activation_buffers(M, K, lanes);
     quantize(x.data_ptr<float>(), M, K, buf.qs, buf.d, buf.s, buf.dxv, buf.sxv, buf.sxh, buf.sxg);
     const QX qx{buf.qs, buf.d, buf.s, K, buf.dxv, buf.sxv, buf.sxh, buf.sxg};
     over_rows([&](size_t i, int64_t n0, int64_t n1) {   // part i's rows n0..n1, at column offset starts[i]
