@@ -506,45 +506,59 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     }
 }
 
+// The int32 lanes of steps j0 .. j1 - 1 of a group: codes q[j] (8 rows) times the activation's
+// 4 bytes x + 4j broadcast, summed in int16 over STEPS steps (two chains, even and odd steps,
+// joined before the madd), then in int32.
+template <int QT>
+static inline __attribute__((always_inline)) __m256i steps_sum(const __m256i* q, const uint8_t* x, int j0, int j1, __m256i ones) {
+    auto step = [&](int j) __attribute__((always_inline)) {
+        uint32_t x4; std::memcpy(&x4, x + 4 * j, 4);
+        return _mm256_maddubs_epi16(_mm256_load_si256(q + j), _mm256_set1_epi32((int)x4));
+    };
+    __m256i s32 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = j0; j < j1; j += STEPS<QT>) {
+        __m256i even = step(j), odd = step(j + 1);
+#pragma GCC unroll 8
+        for (int k = j + 2; k < j + STEPS<QT>; k += 2) {
+            even = _mm256_add_epi16(even, step(k));
+            odd = _mm256_add_epi16(odd, step(k + 1));
+        }
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones));
+    }
+    return s32;
+}
+
 // y[m0 + r, n0 + i] for r < R, i < rows, from the tile of rows n0 ..
 template <int QT, int R>
 static void tile_rows(const Tile8& t, const QX& qx, int64_t m0, float* y, int64_t ldy, int64_t n0, int rows) {
     const int64_t K = qx.K, G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const uint8_t* xs = (const uint8_t*)(qx.qs + m0 * K);
+    const float* dx = qx.d + m0 * G;
     for (int64_t g = 0; g < G; g++) {
         const __m256i* q = t.q.data() + 8 * g;
         const float* ab = t.ab.data() + 32 * g;
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const uint8_t* x = (const uint8_t*)(qx.qs + (m0 + r) * K + 32 * g);
-            auto step = [&](int j) __attribute__((always_inline)) {   // 16 int16 lanes: codes 4j..4j+3 of each row times x's
-                uint32_t x4; std::memcpy(&x4, x + 4 * j, 4);
-                const __m256i xb = _mm256_set1_epi32((int)x4);
-                return _mm256_maddubs_epi16(q[j], xb);
-            };
-            auto half_sum = [&](int j0, int j1) __attribute__((always_inline)) {     // int32 lanes: steps j0 .. j1 - 1
-                __m256i s32 = _mm256_setzero_si256();
-                for (int j = j0; j < j1; j += STEPS<QT>) {
-                    __m256i s16 = step(j);
-                    for (int k = j + 1; k < j + STEPS<QT> && k < j1; k++) s16 = _mm256_add_epi16(s16, step(k));
-                    s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16, ones));
-                }
-                return s32;
-            };
-            const __m256 dx = _mm256_broadcast_ss(qx.d + (m0 + r) * G + g);
+            const uint8_t* x = xs + r * K + 32 * g;
+            const __m256 d = _mm256_broadcast_ss(dx + r * G + g);
             if constexpr (HALVES<QT>) {
                 const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sum(0, 4)), _mm256_mul_ps(_mm256_loadu_ps(ab), dx), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sum(4, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 4, ones)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 4, 8, ones)), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), d), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(sh), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 24), _mm256_broadcast_ss(sh + 1), acc[r]);
             } else {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_sum(0, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab), dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 8, ones)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(qx.sxg + (m0 + r) * G + g), acc[r]);
             }
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         float* out = y + (m0 + r) * ldy + n0;
         if (rows == 8) { _mm256_storeu_ps(out, acc[r]); continue; }
