@@ -435,9 +435,10 @@ static inline void group8(const uint8_t* const* rp, int64_t g, __m256i* q, float
 }
 
 // Rows n0 .. n0 + rows - 1 (rows <= 8) of a weight into t. The lanes past `rows` repeat the last
-// row (each lane is computed on its own, and those are never stored).
+// row (each lane is computed on its own, and those are never stored). next_rows: how many rows
+// of the next tile (the 8 after these) the caller will ask for, which are prefetched.
 template <int QT>
-static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows, int64_t K, Tile8& t) {
+static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows, int64_t K, Tile8& t, int64_t next_rows) {
     const int64_t G = K / 32;
     t.q.resize(8 * G); t.ab.resize(32 * G);
     const uint8_t* rp[8];
@@ -445,8 +446,8 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     if constexpr (LOCKSTEP<QT>) {
         // Reading 8 rows side by side defeats the hardware prefetcher (8 streams a thread), so
         // the next tile (the next 8 rows, contiguous) is asked for, a few lines per group.
-        const uint8_t* next = w + (n0 + 8) * row_bytes;
-        const int64_t span = 8 * row_bytes, per = ((span + 63) / 64 + G - 1) / G * 64;
+        const uint8_t* next = next_rows ? w + (n0 + 8) * row_bytes : w;
+        const int64_t span = next_rows * row_bytes, per = ((span + 63) / 64 + G - 1) / G * 64;
         for (int64_t g = 0; g < G; g++) {
             for (int64_t off = g * per; off < std::min(span, (g + 1) * per); off += 64)
                 _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
@@ -457,8 +458,8 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     if constexpr (QT == Q4_K) {
         // a super-block's 32-byte chunk c of codes holds group 2c in its low nibbles and 2c + 1
         // in its high ones, value l in byte l: word s of the chunk is step s of both groups
-        const int64_t span = 8 * row_bytes, per = ((span + 63) / 64 + K / 256 - 1) / (K / 256) * 64;
-        const uint8_t* next = w + (n0 + 8) * row_bytes;
+        const int64_t span = next_rows * row_bytes, per = ((span + 63) / 64 + K / 256 - 1) / (K / 256) * 64;
+        const uint8_t* next = next_rows ? w + (n0 + 8) * row_bytes : w;
         const __m256i low4 = _mm256_set1_epi8(0x0F);
         for (int64_t sb = 0; sb < K / 256; sb++) {
             for (int64_t off = sb * per; off < std::min(span, (sb + 1) * per); off += 64)
@@ -574,7 +575,7 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     thread_local Tile8 tile;
     for (int64_t nt = n0; nt < n1; nt += 8) {
         const int rows = (int)std::min<int64_t>(8, n1 - nt);
-        build_tile<QT>(w, row_bytes, nt, rows, qx.K, tile);
+        build_tile<QT>(w, row_bytes, nt, rows, qx.K, tile, std::min<int64_t>(8, std::max<int64_t>(0, n1 - nt - 8)));
         int64_t m = 0;
         for (; m + TILE <= M; m += TILE) tile_rows<QT, TILE>(tile, qx, m, y, ldy, nt, rows);
         switch (M - m) {
