@@ -195,3 +195,28 @@ def test_quantized_kv_of_a_windowed_model_through_the_paged_kernel(tmp_path, kv_
     with_kernel = generate(True)
     assert calls and all(calls)
     assert with_kernel == generate(False)
+
+
+@pytest.mark.parametrize("t,offset,window", [(5, 0, 8), (700, 0, 64), (600, 37, 100), (513, 900, 512), (300, 10, 3)])
+def test_windowed_prompt_attention_equals_float64_masked_softmax(t, offset, window):
+    """A prompt chunk of t queries (positions P-t..P-1) in a sliding-window layer, its queries in
+    blocks of WINDOW_QUERY_BLOCK, each over its own window of keys: the same as a float64 softmax
+    over exactly the keys p with P-t+i - window < p <= P-t+i, for chunks of one block and of
+    several, with and without keys cached before them (k_all holds positions offset..P-1)."""
+    from types import SimpleNamespace
+    from localrun.model.llama import Attention
+    g = torch.Generator().manual_seed(t + offset)
+    H, n_kv, hd, L = 4, 2, 16, t + min(offset, 2 * window)
+    q = torch.randn(t, H, hd, generator=g)
+    k, v = torch.randn(n_kv, L, hd, generator=g), torch.randn(n_kv, L, hd, generator=g)
+    got = Attention._attend_window(SimpleNamespace(window=window), q, k, v, rowwise=False, offset=offset)
+    P = offset + L
+    qd, kd, vd = q.double(), k.double(), v.double()
+    for i in range(t):
+        p = P - t + i
+        keys = [j for j in range(L) if p - window < offset + j <= p]
+        for h in range(H):
+            kv = h // (H // n_kv)
+            s = kd[kv, keys] @ qd[i, h] / hd ** 0.5
+            want = torch.softmax(s, 0) @ vd[kv, keys]
+            torch.testing.assert_close(got[i, h].double(), want, rtol=0, atol=1e-5)

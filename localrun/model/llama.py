@@ -26,6 +26,8 @@ from localrun.model.fused_block import FusedDecode
 from localrun.model.quant import FileTensor, Int8Weight, PlainWeight, int8_backend, make_embedding, make_weight
 from localrun.placement import DeviceMap, all_on
 
+WINDOW_QUERY_BLOCK = 256    # prompt rows per masked SDPA in a sliding-window layer (Attention._attend_window)
+
 
 @dataclass
 class Segment:
@@ -255,10 +257,19 @@ class Attention(nn.Module):
                 lo, hi = max(first, p - w + 1) - first, p + 1 - first
                 rows.append(sdpa(q[i:i + 1], k_all[:, lo:hi], v_all[:, lo:hi]))
             return torch.cat(rows)
-        q_pos = torch.arange(end - t, end, device=q.device)[:, None]
-        k_pos = torch.arange(first, end, device=q.device)[None, :]
-        mask = (k_pos <= q_pos) & (q_pos - k_pos < w)                       # (t, P - first)
-        return sdpa(q, k_all, v_all, mask)
+        # Queries in blocks of WINDOW_QUERY_BLOCK rows, each over the keys its rows can see (the
+        # block's window: block + w - 1 keys), not the whole chunk's: one masked SDPA over the
+        # chunk would compute t x (t + w - 1) scores for t x w that count (5x at t = 2048, w = 512).
+        out = []
+        for i0 in range(0, t, WINDOW_QUERY_BLOCK):
+            i1 = min(t, i0 + WINDOW_QUERY_BLOCK)
+            lo = max(first, end - t + i0 - w + 1)                            # the block's first key
+            hi = end - t + i1                                                # one past its last key
+            q_pos = torch.arange(end - t + i0, end - t + i1, device=q.device)[:, None]
+            k_pos = torch.arange(lo, hi, device=q.device)[None, :]
+            mask = (k_pos <= q_pos) & (q_pos - k_pos < w)                   # (i1 - i0, hi - lo)
+            out.append(sdpa(q[i0:i1], k_all[:, lo - first:hi - first], v_all[:, lo - first:hi - first], mask))
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def sdpa(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.Tensor | None = None,
