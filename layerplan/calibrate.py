@@ -34,6 +34,10 @@ from layerplan import quiet
 from layerplan.devices import Device, Machine
 
 CALIBRATION_FILE = "calibration.json"
+# What the fitted figures mean to the speed model; bumped when that changes (2: a prompt chunk after
+# cached tokens attends them unmasked and its own tokens causally), so that older measurements,
+# fitted under the old meaning, are measured again rather than misread.
+SPEED_MODEL_REVISION = 2
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 
@@ -129,11 +133,12 @@ def _localrun_version() -> str:
 
 def fingerprint(machine: Machine) -> str:
     """What must stay the same for old measurements to still describe this machine: the CPU model
-    and its flags, cores and RAM, the GPUs and their driver, and the localrun version measured with."""
+    and its flags, cores and RAM, the GPUs and their driver, the localrun version measured with, and
+    the speed model's revision."""
     gpus = ",".join(f"{g.index}:{g.name}" for g in machine.gpus if g.index is not None)
     driver = _gpu_driver() if gpus else ""
     return (f"{_cpu_model()}|flags {_cpu_flags()}|{os.cpu_count()}|{round(machine.host.total_bytes / 2**30)}GiB|"
-            f"{gpus}|driver {driver}|localrun {_localrun_version()}")
+            f"{gpus}|driver {driver}|localrun {_localrun_version()}|speed model {SPEED_MODEL_REVISION}")
 
 
 def load_average() -> float:

@@ -23,10 +23,10 @@ class Device:
                                    # whose kernels compute row by row; 0: compute_flops
     unpack_bandwidth: float = 0.0  # bytes/s at which a prompt step unpacks quantized weights for its GEMM
                                    # (once per step, whatever its size); 0: weights are not unpacked
-    attention_flops: float = 0.0   # flop/s of a prompt chunk's attention over cached tokens (a masked kernel);
-                                   # 0: compute_flops
-    causal_attention_flops: float = 0.0  # flop/s of a prompt chunk's attention from an empty cache (a causal
-                                         # kernel that skips the masked half); 0: attention_flops
+    attention_flops: float = 0.0   # flop/s of a prompt chunk's attention over cached tokens (and of a
+                                   # sliding window's masked kernel); 0: compute_flops
+    causal_attention_flops: float = 0.0  # flop/s of a prompt chunk's causal attention over its own tokens (a
+                                         # causal kernel that skips the masked half); 0: attention_flops
     source: str = "preset"         # where the figures come from: nvml, torch, preset, --vram, psutil, measured
     index: int | None = None       # the CUDA device index, for GPUs found on this machine
 

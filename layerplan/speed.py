@@ -111,7 +111,7 @@ class _Step:
                         decode: bool) -> tuple[float, list[float]]:
         """A step of (n_queries, n_cached) per sequence; decode: its rows are decode rows (one new
         token per sequence, through the device's decode kernels), else prompt chunks (attending
-        as chunk_keys says, from an empty cache at the device's causal rate)."""
+        as chunk_parts says, a causal part at the device's causal rate)."""
         profile, placement, devices = self.profile, self.placement, self.devices
         n_tokens = sum(q for q, _ in entries)
         per_device = [0.0] * len(devices)
@@ -133,12 +133,13 @@ class _Step:
                 matmul_s -= layer.n_expert_matmuls * device.matmul_overhead_s  # counted where they run
             a_bytes, flops_s = 0.0, 0.0
             masked_rate = kv_device.attention_flops or kv_device.compute_flops
+            causal_rate = kv_device.causal_attention_flops or masked_rate
             for n_queries, n_cached in entries:
-                keys = n_cached if decode else chunk_keys(n_cached, n_queries)
-                b, f = _attention(layer, self.kv_per_token[il], n_queries, keys, 1)
-                causal = not decode and n_cached == 0
-                rate = (kv_device.causal_attention_flops or masked_rate) if causal else masked_rate
-                a_bytes, flops_s = a_bytes + b, flops_s + f / rate
+                parts = ((n_cached, False),) if decode else chunk_parts(n_cached, n_queries, layer.sliding_window)
+                for i, (keys, causal) in enumerate(parts):
+                    b, f = _attention(layer, self.kv_per_token[il], n_queries, keys, 1)
+                    a_bytes += b if i == 0 else 0.0     # the chunk's own keys are read with the cached ones
+                    flops_s += f / (causal_rate if causal else masked_rate)
             attention_s = max(a_bytes / (kv_device.kv_bandwidth or kv_device.memory_bandwidth), flops_s)
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
                 q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
@@ -181,14 +182,19 @@ def step_seconds(profile: ModelProfile, machine: Machine, placement: Placement, 
     return _Step(profile, machine, placement, settings).entries_seconds(tuple(entries), n_logits, decode)[0]
 
 
-def chunk_keys(n_cached: int, n_new: int) -> float:
-    """Keys each of a prompt chunk's n_new tokens is attended over, on average, as the runtime
-    computes it: from an empty cache a causal kernel skips the masked half (n_new / 2); after
-    n_cached cached tokens a masked kernel computes every key up to the chunk's end for every new
-    token (n_cached + n_new). This is localrun's engine (sdpa with is_causal, else with a mask: a
-    1024-token chunk after 1024 cached costs what 1.5x its causal share would), and llama.cpp's
-    without flash attention."""
-    return n_new / 2 if n_cached == 0 else n_cached + n_new
+def chunk_parts(n_cached: int, n_new: int, window: int | None = None) -> tuple[tuple[float, bool], ...]:
+    """The attention of a prompt chunk of n_new tokens after n_cached cached ones, as the runtime
+    computes it: (keys each new token is attended over on average, causal kernel or not) per
+    kernel call. From an empty cache a causal kernel skips the masked half (n_new / 2). After
+    cached tokens, localrun's engine attends the cached keys unmasked (n_cached) and the chunk's
+    own keys causally (n_new / 2), two calls merged by log-sum-exp. A sliding-window layer
+    attends its window in one masked call per block of queries (n_cached + n_new keys, which
+    `_attention` clips to the window)."""
+    if n_cached == 0:
+        return ((n_new / 2, True),)
+    if window:
+        return ((n_cached + n_new, False),)
+    return ((n_cached, False), (n_new / 2, True))
 
 
 def prefill_steps(prompt_tokens: int, prompts_together: int, n_ubatch: int) -> list[tuple[tuple[tuple[int, float], ...], int]]:

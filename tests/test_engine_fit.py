@@ -10,7 +10,7 @@ from layerplan.engine_fit import EngineTimings, _Model, fit_host, residuals
 from layerplan.model_profile import LayerProfile, ModelProfile
 from layerplan.placement import place
 from layerplan.settings import PlanSettings
-from layerplan.speed import chunk_keys, predict, prefill_steps, step_seconds
+from layerplan.speed import chunk_parts, predict, prefill_steps, step_seconds
 
 
 def _toy(n_layers: int = 12) -> ModelProfile:
@@ -105,9 +105,10 @@ def test_decode_rows_run_at_the_decode_rate_and_prompt_steps_pay_the_unpacking()
     prompt = step_seconds(profile, machine, placement, settings, ((100, 0),), n_logits=1, decode=False)
     matmuls_and_head = 2 * 100 * 4e6 / 100e9 + 2e6 / 1e9 + 2 * 16e6 / 10e9
     assert prompt == pytest.approx(matmuls_and_head + 2 * 100 * 50 * 8 * 128 / 200e9, rel=1e-6)
-    # the same 100 tokens after 300 cached: a masked kernel, every new token over all 400 keys, at 50 GFLOP/s
+    # the same 100 tokens after 300 cached: the cached keys unmasked at 50 GFLOP/s, its own causally
     later = step_seconds(profile, machine, placement, settings, ((100, 300),), n_logits=1, decode=False)
-    assert later == pytest.approx(matmuls_and_head + 2 * 100 * 400 * 8 * 128 / 50e9, rel=1e-6)
+    assert later == pytest.approx(matmuls_and_head + 2 * 100 * 300 * 8 * 128 / 50e9 + 2 * 100 * 50 * 8 * 128 / 200e9,
+                                  rel=1e-6)
 
 
 def test_prompts_that_arrive_together_share_steps_oldest_first():
@@ -115,9 +116,11 @@ def test_prompts_that_arrive_together_share_steps_oldest_first():
     assert prefill_steps(479, 4, 2048) == [(((479, 0),) * 4, 4)]
     assert prefill_steps(1000, 3, 1500) == [(((1000, 0), (500, 0)), 1), (((500, 500), (1000, 0)), 2)]
     assert prefill_steps(700, 1, 512) == [(((512, 0),), 0), (((188, 512),), 1)]
-    # a prompt's first chunk attends causally (half its own tokens on average), a later one over every key
-    # up to its end (the engine's masked kernel computes the masked part too)
-    assert (chunk_keys(0, 512), chunk_keys(512, 188)) == (256, 700)
+    # a prompt's first chunk attends causally (half its own tokens on average); a later one over every
+    # cached key unmasked, then causally over its own; in a sliding-window layer, one masked call
+    assert chunk_parts(0, 512) == ((256, True),)
+    assert chunk_parts(512, 188) == ((512, False), (94, True))
+    assert chunk_parts(512, 188, window=256) == ((700, False),)
     # the unpacking is paid once per step, so four prompts in one step cost less per token than one
     profile = _toy()
     host = replace(TRUE_HOST, unpack_bandwidth=0.2e9)

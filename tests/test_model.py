@@ -139,3 +139,25 @@ def test_abandoned_stream_frees_its_blocks(tiny_gguf):
     out = llm.generate(IDS[:6], max_tokens=5, temperature=0, ignore_eos=True)
     assert len(out.token_ids) == 5
 
+
+
+@pytest.mark.parametrize("H,n_kv,t,cached", [(4, 4, 3, 5), (6, 2, 40, 70), (8, 1, 130, 300)])
+def test_prompt_chunk_after_cached_keys_equals_float64_causal_softmax(H, n_kv, t, cached):
+    """A prompt chunk of t queries after `cached` keys, as the prompt path computes it (the
+    cached keys and the chunk's own keys in two flash calls, merged by log-sum-exp): query i
+    over keys 0..cached + i, as a float64 softmax over exactly those, grouped-query heads."""
+    from types import SimpleNamespace
+    from localrun.model.llama import Attention
+    hd, L = 16, t + cached
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(t, H, hd, generator=g)
+    k, v = torch.randn(n_kv, L, hd, generator=g), torch.randn(n_kv, L, hd, generator=g)
+    got = Attention._attend_after_cached(SimpleNamespace(n_head=H, n_head_kv=n_kv, head_dim=hd), q, k, v)
+    assert got.shape == (t, H, hd) and got.dtype == torch.float32
+    qd, kd, vd = q.double(), k.double(), v.double()
+    for i in range(t):
+        for h in range(H):
+            kv = h // (H // n_kv)
+            s = kd[kv, :cached + i + 1] @ qd[i, h] / hd ** 0.5
+            want = torch.softmax(s, 0) @ vd[kv, :cached + i + 1]
+            torch.testing.assert_close(got[i, h].double(), want, rtol=0, atol=1e-5)

@@ -220,11 +220,29 @@ class Attention(nn.Module):
                 is_causal=mask is None, attn_mask=mask)
             o_own.append(o[0].transpose(0, 1))                                        # (t, H, hd)
             lse_own.append(lse[0].transpose(0, 1))                                    # (t, H)
-        o_own, lse_own = torch.cat(o_own), torch.cat(lse_own)
-        top = torch.maximum(lse_pre, lse_own)
-        w_pre, w_own = torch.exp(lse_pre - top)[..., None], torch.exp(lse_own - top)[..., None]
-        out = (o_pre.float() * w_pre + o_own.float() * w_own) / (w_pre + w_own)
+        out = merge_by_lse(o_pre, lse_pre, torch.cat(o_own), torch.cat(lse_own))
         return list(out.to(q.dtype).split([s.length for s in segments]))
+
+    def _attend_after_cached(self, q, k_all, v_all) -> torch.Tensor:
+        """Queries (t, H, hd) at the last t positions of L keys: every query sees all C = L - t
+        cached keys, and its own chunk causally. Two flash calls (the cached keys unmasked, with
+        the grouped query heads folded into rows; the chunk's own keys causal) merged by their
+        log-sum-exps, instead of one SDPA with an explicit (t, L) mask, which takes the slower
+        masked path. The same softmax (to float32 rounding)."""
+        H, n_kv, hd = self.n_head, self.n_head_kv, self.head_dim
+        G, t, L = H // n_kv, q.shape[0], k_all.shape[1]
+        C = L - t
+        folded = q.reshape(t, n_kv, G, hd).permute(1, 2, 0, 3).reshape(1, n_kv, G * t, hd)
+        o_pre, lse_pre = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            folded, k_all[None, :, :C], v_all[None, :, :C])
+        o_pre = o_pre.reshape(n_kv, G, t, hd).permute(2, 0, 1, 3).reshape(t, H, hd)
+        lse_pre = lse_pre.reshape(n_kv, G, t).permute(2, 0, 1).reshape(t, H)
+        k_own, v_own = k_all[:, C:], v_all[:, C:]
+        if G > 1:
+            k_own, v_own = k_own.repeat_interleave(G, 0), v_own.repeat_interleave(G, 0)
+        o_own, lse_own = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(0, 1)[None], k_own[None], v_own[None], is_causal=True)
+        return merge_by_lse(o_pre, lse_pre, o_own[0].transpose(0, 1), lse_own[0].transpose(0, 1)).to(q.dtype)
 
     def _attend(self, q, k, v, seg: Segment) -> torch.Tensor:
         """Causal attention of one segment's queries over its cached prefix plus itself (over
@@ -239,6 +257,8 @@ class Attention(nn.Module):
         mask, causal = None, False
         if t > 1 and L == t:
             causal = True
+        elif t > 1 and q.device.type == "cpu":
+            return self._attend_after_cached(q, k_all, v_all)
         elif t > 1:   # new tokens are the last t of L: query i sees keys 0..L-t+i
             mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)
         return sdpa(q, k_all, v_all, mask, causal)
@@ -270,6 +290,14 @@ class Attention(nn.Module):
             mask = (k_pos <= q_pos) & (q_pos - k_pos < w)                   # (i1 - i0, hi - lo)
             out.append(sdpa(q[i0:i1], k_all[:, lo - first:hi - first], v_all[:, lo - first:hi - first], mask))
         return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def merge_by_lse(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two key sets from each set's output (t, H, hd) and
+    log-sum-exp (t, H): the two partial softmaxes weighted by e^lse each, in float32."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]
+    return (o_a.float() * w_a + o_b.float() * w_b) / (w_a + w_b)
 
 
 def sdpa(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.Tensor | None = None,
