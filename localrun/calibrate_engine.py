@@ -13,7 +13,7 @@ times the engine's own steps (`engine.step()`, one by one):
 - the single prompt step of prompts of several sizes from an empty cache, of ATTENTION_TOKENS
   tokens as BATCH prompts, and of ATTENTION_TOKENS tokens after as many cached ones (a
   prefix-cache hit): a fixed cost per step, a cost per token, and attention (causal from an
-  empty cache, masked after cached tokens).
+  empty cache; after cached tokens, those unmasked and the chunk's own causal).
 
 layerplan.engine_fit finds the host figures (per-layer and per-step overhead, decode and prompt
 flop/s, the unpacking of weights per prompt step, attention's bandwidth and flop/s) that make the
