@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, replace
 
 FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up), w2
-SHORT_FILL, LONG_FILL = 32, 1024   # prompt tokens before the timed decode steps (within the trained context)
+SHORT_FILL, LONG_FILL = 32, 2048   # prompt tokens before the timed decode steps (within the trained context)
 BATCH = 4                     # sequences in the batched decode timings
 PROMPT_SIZES = (128, 384, 1024, 1536)   # prompts whose single prefill step is timed (within a short context)
 ATTENTION_TOKENS = 1024       # prompt tokens of the two attention timings
