@@ -197,17 +197,10 @@ class Attention(nn.Module):
         their log-sum-exps. Softmax over the union of two key sets is the two partial softmaxes
         weighted by e^lse each, so the result is the masked attention of `_attend` (to float32
         rounding) without gathering the prefix once per sequence."""
-        H, n_kv, hd = self.n_head, self.n_head_kv, self.head_dim
-        G, C = H // n_kv, segments[0].shared.num_tokens
+        G, C = self.n_head // self.n_head_kv, segments[0].shared.num_tokens
         rows = torch.cat([q[s.start:s.start + s.length] for s in segments])          # (R, H, hd)
-        R = rows.shape[0]
         k_pre, v_pre = segments[0].cache.read(self.layer, C)                          # (n_kv, C, hd)
-        # grouped query heads fold into rows: head h = g * G + j reads KV head g, and no mask
-        # ties a row to its position, so all R * G rows of KV head g attend in one batch entry
-        folded = rows.view(R, n_kv, G, hd).permute(1, 2, 0, 3).reshape(1, n_kv, G * R, hd)
-        o_pre, lse_pre = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(folded, k_pre[None], v_pre[None])
-        o_pre = o_pre.reshape(n_kv, G, R, hd).permute(2, 0, 1, 3).reshape(R, H, hd)
-        lse_pre = lse_pre.reshape(n_kv, G, R).permute(2, 0, 1).reshape(R, H)
+        o_pre, lse_pre = attend_unmasked(rows, k_pre, v_pre)
         o_own, lse_own = [], []
         for s in segments:
             rows_s = slice(s.start, s.start + s.length)
@@ -229,14 +222,8 @@ class Attention(nn.Module):
         the grouped query heads folded into rows; the chunk's own keys causal) merged by their
         log-sum-exps, instead of one SDPA with an explicit (t, L) mask, which takes the slower
         masked path. The same softmax (to float32 rounding)."""
-        H, n_kv, hd = self.n_head, self.n_head_kv, self.head_dim
-        G, t, L = H // n_kv, q.shape[0], k_all.shape[1]
-        C = L - t
-        folded = q.reshape(t, n_kv, G, hd).permute(1, 2, 0, 3).reshape(1, n_kv, G * t, hd)
-        o_pre, lse_pre = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            folded, k_all[None, :, :C], v_all[None, :, :C])
-        o_pre = o_pre.reshape(n_kv, G, t, hd).permute(2, 0, 1, 3).reshape(t, H, hd)
-        lse_pre = lse_pre.reshape(n_kv, G, t).permute(2, 0, 1).reshape(t, H)
+        G, C = self.n_head // self.n_head_kv, k_all.shape[1] - q.shape[0]
+        o_pre, lse_pre = attend_unmasked(q, k_all[:, :C], v_all[:, :C])
         k_own, v_own = k_all[:, C:], v_all[:, C:]
         if G > 1:
             k_own, v_own = k_own.repeat_interleave(G, 0), v_own.repeat_interleave(G, 0)
@@ -290,6 +277,20 @@ class Attention(nn.Module):
             mask = (k_pos <= q_pos) & (q_pos - k_pos < w)                   # (i1 - i0, hi - lo)
             out.append(sdpa(q[i0:i1], k_all[:, lo - first:hi - first], v_all[:, lo - first:hi - first], mask))
         return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def attend_unmasked(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows (R, H, hd) over every key (n_kv, C, hd), no mask, in one flash call: the
+    output (R, H, hd) and log-sum-exp (R, H). Grouped query heads fold into rows: head
+    h = g * G + j reads KV head g, and no mask ties a row to its position, so all R * G rows of
+    KV head g attend in one batch entry."""
+    R, H, hd = rows.shape
+    n_kv = k.shape[0]
+    G = H // n_kv
+    folded = rows.reshape(R, n_kv, G, hd).permute(1, 2, 0, 3).reshape(1, n_kv, G * R, hd)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(folded, k[None], v[None])
+    return (o.reshape(n_kv, G, R, hd).permute(2, 0, 1, 3).reshape(R, H, hd),
+            lse.reshape(n_kv, G, R).permute(2, 0, 1).reshape(R, H))
 
 
 def merge_by_lse(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
