@@ -357,7 +357,31 @@ def test_cost_model_measures_unseen_sizes_and_learns():
     assert model.cost(3) == pytest.approx(0.3) and measured == [1, 5]    # interpolated, not measured
     for _ in range(9):
         model.observe(5, 1.0)
-    assert model.cost(5) == 1.0 and model.cost(3) == pytest.approx(0.55)
+    # real steps of 5 tokens take twice the scratch forward: the scratch size 1 counts at that
+    # level too (0.2), and size 3 lies between
+    assert model.cost(5) == 1.0 and model.cost(1) == pytest.approx(0.2) and model.cost(3) == pytest.approx(0.6)
+    assert measured == [1, 5]
+
+
+def test_a_scratch_forward_slower_than_real_steps_does_not_stop_drafting():
+    """The scratch forward runs outside the engine's fused paths: here at twice the level of
+    real steps, with the same growth per row (5 rows: 1.6x one). Taken at face value beside real
+    one-row steps it prices k=4 at 3.2x a plain step, which no acceptance below 1 repays, and the
+    controller would never draft 4 and never see a real 5-row step. Scaled to the real steps, a
+    copying request drafts 4."""
+    measured = []
+    cost = StepCostModel(lambda t: measured.append(t) or 2.0 * (1.0 + 0.15 * (t - 1)))
+    for _ in range(5):
+        cost.observe(1, 1.0)                                  # real plain steps
+    assert cost.cost(5) == pytest.approx(1.6)
+    c = AdaptiveController(4, cost)
+    for _ in range(4):
+        c.observe_acceptance("copy", 4, 4)                    # acceptance ~0.93
+    assert c.plan(["copy"], [10], num_decodes=1, base_tokens=1) == [4]
+    assert sorted(measured) == [1, 5]                         # size 1 once in scratch, for the scale
+    for _ in range(9):
+        cost.observe(5, 2.5)                                  # real verify steps say more
+    assert cost.cost(5) == 2.5 and cost.cost(3) == pytest.approx(1.75)
 
 
 def test_adaptive_engine_keeps_output_and_reports(model):

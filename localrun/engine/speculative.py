@@ -129,7 +129,10 @@ def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: 
                             rowwise: bool = False) -> float:
     """Seconds of one forward of num_tokens tokens after `context` cached ones, on a scratch
     cache (the best of `repeats`, after a warm-up): the controller's first estimate of a step
-    size it has not seen yet. rowwise: attend row by row, as a verify step does."""
+    size it has not seen yet. rowwise: rows as a verify step computes them: each attends on its
+    own and goes through the weights as a decode row (the integer kernel; as prompt rows they
+    take the float path, which at 5 rows measured twice the engine's real verify step, and the
+    controller then never drafted the k it had priced so)."""
     c = model.config
     asked, max_positions = num_tokens, model.freqs.shape[0]
     num_tokens = min(num_tokens, max_positions - 1)    # a model with fewer positions than asked:
@@ -144,7 +147,7 @@ def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: 
     for _ in range(repeats + 1):
         start = time.perf_counter()
         model(ids[context:], positions[context:], [Segment(0, num_tokens, context, cache, rowwise)],
-              torch.arange(num_tokens, device=device))
+              torch.arange(num_tokens, device=device), decode_rows=num_tokens if rowwise else 0)
         best = min(best, time.perf_counter() - start)
     return best * asked / num_tokens
 

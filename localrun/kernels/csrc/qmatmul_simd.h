@@ -1,7 +1,7 @@
 // The SIMD body of the quantized matmul, compiled once per instruction set: qmatmul_avx2.cpp
 // (AVX2 + FMA + F16C: maddubs/madd) and qmatmul_avx512.cpp (adds AVX-512 VL/BW/VNNI: vpdpbusd).
 // Both use 256-bit vectors, one 32-value group per register. Each weight group is decoded to
-// u8 codes once and multiplied by up to TILE activation rows; every row runs the same
+// u8 codes once and multiplied by up to ROWS_TILE_MAX activation rows; every row runs the same
 // instructions in the same order whatever the tile, so a row's result never depends on the
 // other rows of a call (bit for bit). AVX2 also has a lane layout (below: eight weight rows
 // side by side), which a weight's kernel type asks for; it too gives every row the same bits
@@ -14,12 +14,6 @@
 #include "blocks.h"
 
 namespace localrun { namespace ISA_NS {
-
-#ifdef LOCALRUN_VNNI
-constexpr int TILE = 8;   // activation rows per pass over a weight row (32 vector registers)
-#else
-constexpr int TILE = 4;   // activation rows per pass over a weight row (16 vector registers)
-#endif
 
 // u8 codes x s8 activations -> 8 int32 lanes (lane i: bytes 4i..4i+3)
 static inline __m256i dot_us(__m256i q, __m256i x) {
@@ -309,25 +303,36 @@ static void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     }
 }
 
+// Activation rows per pass over a weight row, at most. A call's rows are cut into tiles of as
+// even a size as this allows (7 rows: 4 + 3, not 6 + 1): a one-row tile runs at about half the
+// rate per row of a fuller one, and every tile decodes the weight group again.
+#ifdef LOCALRUN_VNNI
+constexpr int ROWS_TILE_MAX = 8;
+#else
+constexpr int ROWS_TILE_MAX = 6;   // 16 vector registers: K-quants spill at 8
+#endif
+
+template <int QT, int R = ROWS_TILE_MAX>
+static void rows_tile_of(int r, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx,
+                         int64_t m0, float* y, int64_t ldy) {
+    if constexpr (R >= 1) {
+        if (r == R) rows_tile<QT, R>(w, row_bytes, n0, n1, qx, m0, y, ldy);
+        else rows_tile_of<QT, R - 1>(r, w, row_bytes, n0, n1, qx, m0, y, ldy);
+    }
+}
+
 template <int QT>
 static void rows_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
                      float* y, int64_t ldy) {
     constexpr int64_t NCHUNK = 16;       // weight rows kept hot in L1 while every tile passes over them
+    if (M <= 0) return;
+    const int64_t tiles = (M + ROWS_TILE_MAX - 1) / ROWS_TILE_MAX, base = M / tiles, longer = M % tiles;
     for (int64_t nc = n0; nc < n1; nc += NCHUNK) {
         const int64_t ne = nc + NCHUNK < n1 ? nc + NCHUNK : n1;
-        int64_t m = 0;
-        for (; m + TILE <= M; m += TILE) rows_tile<QT, TILE>(w, row_bytes, nc, ne, qx, m, y, ldy);
-        switch (M - m) {
-#ifdef LOCALRUN_VNNI
-            case 7: rows_tile<QT, 7>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
-            case 6: rows_tile<QT, 6>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
-            case 5: rows_tile<QT, 5>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
-            case 4: rows_tile<QT, 4>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
-#endif
-            case 3: rows_tile<QT, 3>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
-            case 2: rows_tile<QT, 2>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
-            case 1: rows_tile<QT, 1>(w, row_bytes, nc, ne, qx, m, y, ldy); break;
-            default: break;
+        for (int64_t t = 0, m = 0; t < tiles; t++) {
+            const int r = (int)(base + (t < longer));
+            rows_tile_of<QT>(r, w, row_bytes, nc, ne, qx, m, y, ldy);
+            m += r;
         }
     }
 }
@@ -342,6 +347,8 @@ static void rows_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
 // activation's 4 bytes broadcast, int16 sums over STEPS steps, one madd. The scales multiply
 // whole lanes, so nothing is summed across lanes, and a lane's arithmetic (one row times one
 // activation row) is the same whatever rows share the tile or the call.
+
+constexpr int LANES_TILE = 4;   // activation rows per pass over a tile (16 vector registers)
 
 // Steps of 4 codes whose u8 x s8 pair sums add up in int16 without saturating (activations are
 // -127..127): 2 * 15 * 127 * 8, 2 * 31 * 127 * 4 and 2 * 63 * 127 * 2 stay under 32767.
@@ -577,7 +584,7 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
         const int rows = (int)std::min<int64_t>(8, n1 - nt);
         build_tile<QT>(w, row_bytes, nt, rows, qx.K, tile, std::min<int64_t>(8, std::max<int64_t>(0, n1 - nt - 8)));
         int64_t m = 0;
-        for (; m + TILE <= M; m += TILE) tile_rows<QT, TILE>(tile, qx, m, y, ldy, nt, rows);
+        for (; m + LANES_TILE <= M; m += LANES_TILE) tile_rows<QT, LANES_TILE>(tile, qx, m, y, ldy, nt, rows);
         switch (M - m) {
             case 3: tile_rows<QT, 3>(tile, qx, m, y, ldy, nt, rows); break;
             case 2: tile_rows<QT, 2>(tile, qx, m, y, ldy, nt, rows); break;
