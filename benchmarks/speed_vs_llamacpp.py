@@ -1,5 +1,8 @@
 """Prefill and decode speed: localrun vs llama.cpp (llama-cpp-python), same model, same
 threads, same run. Runs alternate between the two engines; the best of N is kept for each.
+Greedy by default (argmax on both sides); --sampled draws every token through each engine's own
+sampler at llama.cpp's default chain (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8), as
+`localrun chat` and llama.cpp's own generate loop do, so the sampler's cost per token counts.
 Prints a table, then one JSON object as the last line."""
 from __future__ import annotations
 
@@ -42,9 +45,29 @@ def bench_llama_cpp(ref, ids: list[int], n_gen: int) -> tuple[float, float]:
     return len(ids) / prefill_s, n_gen / decode_s
 
 
-def bench_localrun(llm, ids: list[int], n_gen: int) -> tuple[float, float]:
+SAMPLED = {"top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}   # llama.cpp's defaults
+TEMPERATURE = 0.8
+
+
+def bench_llama_cpp_sampled(ref, ids: list[int], n_gen: int) -> tuple[float, float]:
+    """llama-cpp-python's generate loop: its sampler chain built once, then per token an
+    evaluation of the last token and a draw (the first draw comes with the prompt)."""
+    ref.reset()
+    t0 = time.perf_counter()
+    tokens = ref.generate(ids, temp=TEMPERATURE, reset=True, **SAMPLED)
+    next(tokens)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        next(tokens)
+    decode_s = time.perf_counter() - t0
+    return len(ids) / prefill_s, n_gen / decode_s
+
+
+def bench_localrun(llm, ids: list[int], n_gen: int, sampled: bool = False) -> tuple[float, float]:
     llm.reset()
-    r = llm.generate(ids, max_tokens=n_gen + 1, temperature=0, ignore_eos=True)
+    options = {"temperature": TEMPERATURE, "seed": 0, **SAMPLED} if sampled else {"temperature": 0}
+    r = llm.generate(ids, max_tokens=n_gen + 1, ignore_eos=True, **options)
     t = r.timings
     assert t["cached_tokens"] == 0 and t["generated_tokens"] == n_gen + 1
     return t["prefill_tok_s"], t["decode_tok_s"]
@@ -59,6 +82,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="localrun compute dtype (default: chosen for this CPU)")
     ap.add_argument("--kv-type", default=None, help="localrun's KV type (default: the engine's)")
+    ap.add_argument("--sampled", action="store_true", help="sample at llama.cpp's default chain instead of argmax")
     args = ap.parse_args()
 
     import llama_cpp
@@ -76,9 +100,10 @@ def main():
     bench_localrun(llm, ids[:64], 4)              # warm-up both
     bench_llama_cpp(ref, ids[:64], 4)
     runs = {"localrun": [], "llama.cpp": []}
+    reference = bench_llama_cpp_sampled if args.sampled else bench_llama_cpp
     for _ in range(args.repeats):
-        runs["llama.cpp"].append(bench_llama_cpp(ref, ids, args.gen_tokens))
-        runs["localrun"].append(bench_localrun(llm, ids, args.gen_tokens))
+        runs["llama.cpp"].append(reference(ref, ids, args.gen_tokens))
+        runs["localrun"].append(bench_localrun(llm, ids, args.gen_tokens, args.sampled))
     best = {k: (max(r[0] for r in v), max(r[1] for r in v)) for k, v in runs.items()}
     ratio_prefill = best["localrun"][0] / best["llama.cpp"][0]
     ratio_decode = best["localrun"][1] / best["llama.cpp"][1]
@@ -94,6 +119,7 @@ def main():
     print(json.dumps({
         "cpu": cpu_info(), "benchmark": "speed_vs_llamacpp", "model": path.name, "threads": args.threads,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+        "sampling": f"top-k 40, top-p 0.95, min-p 0.05, temperature {TEMPERATURE}" if args.sampled else "greedy",
         "localrun_dtype": str(llm.dtype).replace("torch.", ""), "localrun_kv_type": llm.engine.kv_type,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "localrun_prefill_tok_s": round(best["localrun"][0], 1),

@@ -113,7 +113,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
     if p.greedy:
         token_id = argmax(logits)
     else:
-        token_id = int(torch.multinomial(_filtered_probs(logits, p), 1, generator=generator))
+        ids, probs = candidate_probs(logits, p)
+        token_id = int(ids[torch.multinomial(probs, 1, generator=generator)])
     if state is not None and p.logprobs is not None:
         state.logprobs.append(token_logprob(logits, token_id, p.logprobs))
     return token_id
@@ -152,4 +153,31 @@ def apply_openai_penalties(logits: torch.Tensor, output: list[int], presence: fl
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    return (filter_logits(logits, p) / max(p.temperature, MIN_TEMPERATURE)).softmax(-1)
+    """The distribution over the whole vocabulary (V,): the candidates' probabilities in place."""
+    ids, probs = candidate_probs(logits, p)
+    return torch.zeros_like(logits).index_copy_(0, ids, probs)
+
+
+def candidate_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, probabilities) of the tokens top-k, top-p and min-p keep, at the temperature: the
+    distribution of softmax(filter_logits(logits, p) / temperature), computed over top-k's
+    candidates only (every token tied with the k-th included, as filter_logits keeps them), as
+    llama.cpp's sampler chain does. Over a 49k vocabulary the full-width chain (a sort, three
+    softmaxes, a draw over all V) took ~4 ms a token on 2 Zen 3 cores, a quarter of a decode step."""
+    keep = logits > float("-inf")            # a masked token (grammar, bias) has probability 0 anyway
+    if 0 < p.top_k < logits.shape[-1]:
+        keep &= logits >= torch.topk(logits, p.top_k).values[-1]
+    ids = keep.nonzero().flatten()
+    if ids.numel() == 0:       # nothing finite, or a NaN k-th value: the whole vocabulary, as filter_logits
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+    values, order = torch.sort(logits[ids], descending=True)
+    ids = ids[order]
+    if p.top_p < 1.0:       # as filter_logits: drop a token once those before it reach top_p
+        probs = values.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
+        values = values.masked_fill(drop, float("-inf"))
+    if p.min_p > 0.0:
+        probs = values.softmax(-1)
+        values = values.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return ids, (values / max(p.temperature, MIN_TEMPERATURE)).softmax(-1)

@@ -75,3 +75,42 @@ def test_argmax_is_torchs_first_maximum_and_first_nan():
         assert argmax(x[1::3]) == int(x[1::3].argmax())
         x[torch.randint(0, 97, (2,), generator=g)] = float("nan")
         assert argmax(x) == int(x.argmax())
+
+
+def test_candidate_probs_are_the_full_width_chain():
+    """The sampler computes top-k, top-p, min-p and the temperature over top-k's candidates
+    only. Its distribution, put back over the vocabulary, is the full-width reference's:
+    softmax(filter_logits(logits) / temperature), with ties at the k-th value, masked tokens
+    and fewer finite logits than k among the cases."""
+    from localrun.sampling import candidate_probs, probabilities
+    g = torch.Generator().manual_seed(5)
+    for case in range(300):
+        logits = torch.randn(500, generator=g) * 3
+        if case % 3 == 0:
+            logits = torch.round(logits)                                # many ties
+        if case % 5 == 0:
+            logits[torch.rand(500, generator=g) < (0.99 if case % 2 else 0.5)] = float("-inf")
+        p = SamplingParams(temperature=float(torch.rand(1, generator=g)) * 1.5 + 0.05,
+                           top_k=int(torch.randint(0, 80, (1,), generator=g)),
+                           top_p=[1.0, 0.95, 0.5, 0.1][case % 4], min_p=[0.0, 0.05, 0.3][case % 3])
+        reference = (filter_logits(logits, p) / p.temperature).softmax(-1)
+        ids, probs = candidate_probs(logits, p)
+        full = torch.zeros(500).index_copy_(0, ids, probs)
+        if case % 3 == 0 and p.top_p < 1.0:
+            # a top-p boundary inside a group of tied logits may keep another member of the
+            # group (either sort may order ties): the same probabilities, not the same ids
+            assert torch.allclose(full.sort().values, reference.sort().values, atol=1e-6), case
+        else:
+            assert torch.allclose(full, reference, atol=1e-6), case
+        assert torch.equal(probabilities(logits, p), full)
+
+
+def test_sampling_frequencies_match_the_filtered_distribution():
+    """Draws follow the filtered distribution: top-k 3 of a 9-token vocabulary, at T=0.7."""
+    logits = torch.tensor([2.0, 1.5, 0.2, 1.0, -1.0, 0.5, -3.0, 0.0, 1.2])
+    p = SamplingParams(temperature=0.7, top_k=3, top_p=1.0, min_p=0.0)
+    g = make_generator(1)
+    counts = torch.bincount(torch.tensor([sample(logits, p, g) for _ in range(6000)]), minlength=9)
+    expected = torch.zeros(9)
+    expected[[0, 1, 8]] = (torch.tensor([2.0, 1.5, 1.2]) / 0.7).softmax(-1)
+    assert torch.allclose(counts.float() / 6000, expected, atol=0.025), counts
