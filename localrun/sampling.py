@@ -164,14 +164,24 @@ def candidate_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tens
     candidates only (every token tied with the k-th included, as filter_logits keeps them), as
     llama.cpp's sampler chain does. Over a 49k vocabulary the full-width chain (a sort, three
     softmaxes, a draw over all V) took ~4 ms a token on 2 Zen 3 cores, a quarter of a decode step."""
-    keep = logits > float("-inf")            # a masked token (grammar, bias) has probability 0 anyway
+    values = ids = None
     if 0 < p.top_k < logits.shape[-1]:
-        keep &= logits >= torch.topk(logits, p.top_k).values[-1]
-    ids = keep.nonzero().flatten()
+        values, ids = torch.topk(logits, p.top_k)                  # in descending order
+        if int((logits >= values[-1]).sum()) > p.top_k:            # others tie with the k-th: keep them too
+            values = ids = None
+        elif values[-1] == float("-inf"):    # a masked token (grammar, bias) has probability 0 anyway
+            ids, values = ids[values > float("-inf")], values[values > float("-inf")]
+    if ids is None:
+        keep = logits > float("-inf")
+        if 0 < p.top_k < logits.shape[-1]:
+            keep &= logits >= torch.topk(logits, p.top_k).values[-1]
+        ids = keep.nonzero().flatten()
+        values, order = torch.sort(logits[ids], descending=True)
+        ids = ids[order]
     if ids.numel() == 0:       # nothing finite, or a NaN k-th value: the whole vocabulary, as filter_logits
         ids = torch.arange(logits.shape[-1], device=logits.device)
-    values, order = torch.sort(logits[ids], descending=True)
-    ids = ids[order]
+        values, order = torch.sort(logits, descending=True)
+        ids = ids[order]
     if p.top_p < 1.0:       # as filter_logits: drop a token once those before it reach top_p
         probs = values.softmax(-1)
         drop = (probs.cumsum(-1) - probs) >= p.top_p
