@@ -36,8 +36,11 @@ from layerplan.devices import Device, Machine
 CALIBRATION_FILE = "calibration.json"
 # What the fitted figures mean to the speed model; bumped when that changes (2: a prompt chunk after
 # cached tokens attends them unmasked and its own tokens causally), so that older measurements,
-# fitted under the old meaning, are measured again rather than misread.
-SPEED_MODEL_REVISION = 2
+# fitted under the old meaning, are measured again rather than misread. Also bumped when the
+# engine's own step changes by more than noise while the package version stays (3: the sampler
+# works on top-k's candidates, ~4 ms less per sampled row on SmolLM2: the calibration samples at
+# the default temperature, and its 4-sequence decode step went from 33-39 to 16-25 ms).
+SPEED_MODEL_REVISION = 3
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 
