@@ -2,7 +2,7 @@
 
 The scenario of the engine-core issue: N requests (default 16) arrive together, each a chat
 with one shared system prompt (default 1024 tokens of real text) and its own question (~32
-tokens), 32 output tokens each (greedy; localrun gets ignore_eos, llama-cpp-python gets
+tokens), 32 output tokens each (greedy unless --temperature; localrun gets ignore_eos, llama-cpp-python gets
 min_tokens, so both generate exactly that many). Each server runs alone on the machine with
 the same GGUF and thread count; each gets one unrelated warm-up request first. TTFT is
 measured by the client from the moment it sends (all at once), so queueing counts.
@@ -35,11 +35,12 @@ from localrun.tokenizer import Tokenizer  # noqa: E402
 from localrun.cpu_info import cpu_info  # noqa: E402
 
 
-def workload(model_path, n: int, prefix_tokens: int, output_tokens: int) -> list[BenchRequest]:
+def workload(model_path, n: int, prefix_tokens: int, output_tokens: int,
+             temperature: float = 0.0) -> list[BenchRequest]:
     tok = Tokenizer(model_path)
     ids = tok.encode(SYSTEM_TEXT * 4, add_special=False)[:prefix_tokens]
     system = tok.decode(ids, special=False)
-    return [BenchRequest(i, 0.0, output_tokens, temperature=0.0,
+    return [BenchRequest(i, 0.0, output_tokens, temperature=temperature,
                          messages=({"role": "system", "content": system},
                                    {"role": "user", "content": f"Question {i + 1}: {QUESTIONS[i % len(QUESTIONS)]} "
                                                                "Please answer briefly and precisely."}))
@@ -83,10 +84,13 @@ def main() -> None:
     ap.add_argument("--itl-target-ms", type=float, default=None, help="localrun serve's --itl-target-ms "
                     "(default: the server's own default)")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy; "
+                    "1.0 is what an OpenAI client that sets none gets); both servers then sample with their "
+                    "default top-k, top-p and min-p")
     args = ap.parse_args()
 
     model_path = resolve_model(args.model)
-    requests = workload(model_path, args.requests, args.prefix_tokens, args.output_tokens)
+    requests = workload(model_path, args.requests, args.prefix_tokens, args.output_tokens, args.temperature)
     rows = {}
     with localrun_server(str(model_path), "--threads", str(args.threads), "--ctx", str(args.ctx),
                          "--parallel", str(args.parallel), "--max-batched-tokens", str(args.max_batched_tokens),
@@ -103,7 +107,7 @@ def main() -> None:
     out = {"cpu": cpu_info(), "scenario": {"requests": args.requests, "prefix_tokens": args.prefix_tokens,
                         "output_tokens": args.output_tokens, "threads": args.threads,
                         "parallel": args.parallel, "max_batched_tokens": args.max_batched_tokens,
-                        "itl_target_ms": args.itl_target_ms},
+                        "itl_target_ms": args.itl_target_ms, "temperature": args.temperature},
            **rows}
     if "llama_cpp" in rows:
         peer, ours = rows["llama_cpp"], rows["localrun"]
