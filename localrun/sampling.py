@@ -38,7 +38,8 @@ def apply_repeat_penalty(logits: torch.Tensor, recent: list[int], penalty: float
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Mask with -inf everything top-k, top-p and min-p drop. logits (V,) float32."""
+    """Mask with -inf everything top-k, top-p and min-p drop. logits (V,) float32. The
+    full-width reference of `candidate_probs`, which the sampler uses (tests compare the two)."""
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
