@@ -38,6 +38,7 @@ import torch
 
 from layerplan.kv_cache import (ENGINE_KV_TYPES, ENGINE_SCALE_BYTES, ENGINE_SCALE_GROUP, engine_kv_bytes_per_value,
                                 engine_scale_group)
+from localrun import kernels
 from localrun.errors import UserError
 
 FLOAT_KV_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -169,6 +170,9 @@ class TokenScaledStore(PlainStore):
         self.scale.index_copy_(0, target.slots, scale[..., 0])
 
     def read(self, block_ids, num_tokens, dtype):
+        if self.float8 is None and _compiled_gather(self.data):
+            return kernels.gather_int8(self.data, self.scale, block_ids, num_tokens, self.block_size,
+                                       self.group, per_block=False).to(dtype)
         q = self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
         scale = self.blocks(self.scale).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
         values = q if self.float8 is None else q.view(self.float8)
@@ -206,9 +210,19 @@ class ChannelScaledStore(PlainStore):
         self.scale[block_ids] = scale
 
     def read(self, block_ids, num_tokens, dtype):
+        if _compiled_gather(self.data):
+            return kernels.gather_int8(self.data, self.scale, block_ids, num_tokens, self.block_size, 1,
+                                       per_block=True).to(dtype)
         q = self.blocks(self.data).index_select(0, block_ids)                    # (nb, bs, n_kv, hd)
         scale = self.scale.index_select(0, block_ids)[:, None]                  # (nb, 1, n_kv, hd)
         return q.float().mul_(scale).flatten(0, 1)[:num_tokens].to(dtype)
+
+
+def _compiled_gather(data: torch.Tensor) -> bool:
+    """Whether an int8 pool's blocks are read by the compiled gather (kernels.gather_int8: one
+    pass per block, the same products as the torch read beside it, which is the reference and
+    the path without the kernels or off the CPU)."""
+    return data.device.type == "cpu" and kernels.available()
 
 
 class PagedKVCache:
