@@ -450,22 +450,30 @@ def test_rope_equals_the_complex_product(neox):
         np.testing.assert_allclose(got.numpy(), apply_rope(x, freqs, neox).numpy(), rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "int8"])
 @pytest.mark.parametrize("hd", [64, 40])
-def test_int8_gather_equals_the_stores_torch_read(hd, monkeypatch):
-    """An int8 pool's prompt-chunk read (K per block and channel, V per token and group) through
-    kernels.gather_int8 equals the stores' torch read bit for bit: shuffled blocks, a partial last
-    block, one block, none."""
+def test_compiled_gather_equals_the_stores_torch_read(kv_type, hd, monkeypatch):
+    """A prompt chunk's read of its cached prefix from a float16 or int8 pool (int8: K per block
+    and channel, V per token and group) through kernels.gather_kv equals the stores' torch read
+    bit for bit: shuffled blocks, a partial last block, one block, none."""
     from localrun.engine import paged_kv
     from localrun.engine.paged_kv import PagedKVCache, WriteTarget
     g = torch.Generator().manual_seed(hd)
     n_kv, num_blocks = 3, 20
     k_store, v_store = PagedKVCache(num_blocks=num_blocks, block_size=BLOCK, n_layers=1, n_head_kv=n_kv, head_dim=hd,
-                                    kv_type="int8", compute_dtype=torch.float32).layers[0]
+                                    kv_type=kv_type, compute_dtype=torch.float32).layers[0]
     for b in range(num_blocks):
         target = WriteTarget(torch.arange(b * BLOCK, (b + 1) * BLOCK), torch.tensor([b]), 0)
         k_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g) * 3)
         v_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g))
-    assert type(k_store).__name__ == "ChannelScaledStore" and type(v_store).__name__ == "TokenScaledStore"
+    expected = ("ChannelScaledStore", "TokenScaledStore") if kv_type == "int8" else ("PlainStore", "PlainStore")
+    assert (type(k_store).__name__, type(v_store).__name__) == expected
+    calls, gather = [], kernels.gather_kv
+
+    def counted(*args, **options):
+        calls.append(1)
+        return gather(*args, **options)
+    monkeypatch.setattr(kernels, "gather_kv", counted)
     for ids, n in ((torch.randperm(num_blocks, generator=g)[:7], 7 * BLOCK - 5), (torch.tensor([3]), 1),
                    (torch.tensor([19, 0]), 2 * BLOCK), (torch.tensor([], dtype=torch.long), 0)):
         for store in (k_store, v_store):
@@ -475,3 +483,4 @@ def test_int8_gather_equals_the_stores_torch_read(hd, monkeypatch):
                 reference = store.read(ids, n, torch.float32)
             assert compiled.shape == reference.shape == (n, n_kv, hd)
             assert torch.equal(compiled, reference), (type(store).__name__, ids.tolist(), n)
+    assert len(calls) == 8          # every read above went through the compiled gather

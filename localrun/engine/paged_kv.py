@@ -133,6 +133,8 @@ class PlainStore:
 
     def read(self, block_ids: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """The first num_tokens tokens of block_ids, in order: (num_tokens, n_kv, hd)."""
+        if self.data.dtype == torch.float16 and _compiled_gather(self.data):
+            return kernels.gather_kv(self.data, None, block_ids, num_tokens, self.block_size).to(dtype)
         return self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens].to(dtype)
 
     def read_slots(self, first_slot: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
@@ -171,8 +173,8 @@ class TokenScaledStore(PlainStore):
 
     def read(self, block_ids, num_tokens, dtype):
         if self.float8 is None and _compiled_gather(self.data):
-            return kernels.gather_int8(self.data, self.scale, block_ids, num_tokens, self.block_size,
-                                       self.group, per_block=False).to(dtype)
+            return kernels.gather_kv(self.data, self.scale, block_ids, num_tokens, self.block_size,
+                                     self.group).to(dtype)
         q = self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
         scale = self.blocks(self.scale).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
         values = q if self.float8 is None else q.view(self.float8)
@@ -211,16 +213,16 @@ class ChannelScaledStore(PlainStore):
 
     def read(self, block_ids, num_tokens, dtype):
         if _compiled_gather(self.data):
-            return kernels.gather_int8(self.data, self.scale, block_ids, num_tokens, self.block_size, 1,
-                                       per_block=True).to(dtype)
+            return kernels.gather_kv(self.data, self.scale, block_ids, num_tokens, self.block_size,
+                                     per_block=True).to(dtype)
         q = self.blocks(self.data).index_select(0, block_ids)                    # (nb, bs, n_kv, hd)
         scale = self.scale.index_select(0, block_ids)[:, None]                  # (nb, 1, n_kv, hd)
         return q.float().mul_(scale).flatten(0, 1)[:num_tokens].to(dtype)
 
 
 def _compiled_gather(data: torch.Tensor) -> bool:
-    """Whether an int8 pool's blocks are read by the compiled gather (kernels.gather_int8: one
-    pass per block, the same products as the torch read beside it, which is the reference and
+    """Whether a float16 or int8 pool's blocks are read by the compiled gather (kernels.gather_kv:
+    one pass per block, the same values as the torch read beside it, which is the reference and
     the path without the kernels or off the CPU)."""
     return data.device.type == "cpu" and kernels.available()
 

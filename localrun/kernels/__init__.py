@@ -64,8 +64,9 @@ def qmatmul_f32(x: torch.Tensor, weights: list[torch.Tensor], qtypes: list[int])
     return torch.ops.localrun.qmatmul_f32(x, weights, qtypes)
 
 
-def gather_int8(data: torch.Tensor, scale: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
-                block_size: int, group: int, per_block: bool) -> torch.Tensor:
-    """The first num_tokens tokens of an int8 KV pool's blocks block_ids as float32 (tokens,
-    n_kv, hd): code x scale, per block and channel (per_block) or per group of a token's values."""
-    return torch.ops.localrun.gather_int8(data, scale, block_ids, num_tokens, block_size, group, per_block)
+def gather_kv(data: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, num_tokens: int,
+              block_size: int, group: int = 1, per_block: bool = False) -> torch.Tensor:
+    """The first num_tokens tokens of a float16 or int8 KV pool's blocks block_ids as float32
+    (tokens, n_kv, hd): float16 widened; int8 as code x scale, per block and channel (per_block)
+    or per group of a token's values."""
+    return torch.ops.localrun.gather_kv(data, scale, block_ids, num_tokens, block_size, group, per_block)

@@ -692,40 +692,45 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     return out;
 }
 
-// The first num_tokens tokens of the blocks block_ids of an int8 pool, in order, as float32
-// (num_tokens, n_kv, hd): what paged_kv.py's int8 stores read (code x scale, one float32
-// product) for a prompt chunk's attention over its cached prefix, in one pass per block instead
-// of torch's index_select, widen, multiply and copy. data (num_blocks * block_size, n_kv, hd)
-// int8. per_block: scale (num_blocks, n_kv, hd), one per block and channel (int8 K); else
-// scale (num_blocks * block_size, n_kv, hd / group), one per group of a token's values (int8 V).
-at::Tensor gather_int8(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& block_ids,
-                       int64_t num_tokens, int64_t block_size, int64_t group, bool per_block) {
-    TORCH_CHECK(data.scalar_type() == at::kChar && data.dim() == 3 && data.is_contiguous(),
-                "localrun::gather_int8: data must be a contiguous (slots, n_kv, hd) int8 tensor");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "localrun::gather_int8: float32 scales");
+// The first num_tokens tokens of the blocks block_ids of a float16 or int8 pool, in order, as
+// float32 (num_tokens, n_kv, hd): what paged_kv.py's stores read for a prompt chunk's attention
+// over its cached prefix (float16 widened exactly; int8 as code x scale, one float32 product), in
+// one pass per block instead of torch's index_select, widen (and multiply) and copy. data
+// (num_blocks * block_size, n_kv, hd). int8: per_block: scale (num_blocks, n_kv, hd), one per
+// block and channel (int8 K); else scale (num_blocks * block_size, n_kv, hd / group), one per
+// group of a token's values (int8 V).
+at::Tensor gather_kv(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const at::Tensor& block_ids,
+                     int64_t num_tokens, int64_t block_size, int64_t group, bool per_block) {
+    const bool int8 = data.scalar_type() == at::kChar;
+    TORCH_CHECK((int8 || data.scalar_type() == at::kHalf) && data.dim() == 3 && data.is_contiguous(),
+                "localrun::gather_kv: data must be a contiguous (slots, n_kv, hd) float16 or int8 tensor");
+    TORCH_CHECK(!int8 || (scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous()),
+                "localrun::gather_kv: an int8 pool needs its float32 scales");
     const int64_t n_kv = data.size(1), hd = data.size(2), row = n_kv * hd, num_blocks = data.size(0) / block_size;
-    TORCH_CHECK(group >= 1 && hd % group == 0, "localrun::gather_int8: group must divide the head size");
+    TORCH_CHECK(group >= 1 && hd % group == 0, "localrun::gather_kv: group must divide the head size");
     const at::Tensor ids = block_ids.to(at::kLong).contiguous();
     const int64_t nb = ids.numel();
-    TORCH_CHECK(num_tokens >= 0 && num_tokens <= nb * block_size, "localrun::gather_int8: more tokens than blocks");
+    TORCH_CHECK(num_tokens >= 0 && num_tokens <= nb * block_size, "localrun::gather_kv: more tokens than blocks");
     const int64_t* idp = ids.data_ptr<int64_t>();
     for (int64_t i = 0; i < nb; i++)
-        TORCH_CHECK(idp[i] >= 0 && idp[i] < num_blocks, "localrun::gather_int8: block id out of range");
+        TORCH_CHECK(idp[i] >= 0 && idp[i] < num_blocks, "localrun::gather_kv: block id out of range");
     at::Tensor out = at::empty({num_tokens, n_kv, hd}, data.options().dtype(at::kFloat));
-    const int8_t* src = data.data_ptr<int8_t>();
-    const float* sc = scale.data_ptr<float>();
+    const float* sc = int8 ? scale->data_ptr<float>() : nullptr;
     float* dst = out.data_ptr<float>();
     const Kernels& chosen = kernels();
     at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
         for (int64_t i = b0; i < b1; i++) {
             const int64_t n = std::min(block_size, num_tokens - i * block_size), blk = idp[i];
             if (n <= 0) continue;
-            const int8_t* s = src + blk * block_size * row;
             float* d = dst + i * block_size * row;
-            if (per_block)       // every token of the block times the block's scale per channel
-                chosen.widen_i8_scaled(d, s, sc + blk * row, n, row, row, 1, 0);
+            if (!int8)
+                chosen.widen_f16(d, static_cast<const uint16_t*>(data.data_ptr()) + blk * block_size * row, n, row, row);
+            else if (per_block)  // every token of the block times the block's scale per channel
+                chosen.widen_i8_scaled(d, data.data_ptr<int8_t>() + blk * block_size * row, sc + blk * row, n, row,
+                                       row, 1, 0);
             else                 // each token times its own scale per group of its values
-                chosen.widen_i8_scaled(d, s, sc + blk * block_size * (row / group), n, row, row, group, row / group);
+                chosen.widen_i8_scaled(d, data.data_ptr<int8_t>() + blk * block_size * row,
+                                       sc + blk * block_size * (row / group), n, row, row, group, row / group);
         }
     });
     return out;
@@ -735,7 +740,7 @@ at::Tensor gather_int8(const at::Tensor& data, const at::Tensor& scale, const at
 }  // namespace localrun
 
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
-    m.def("gather_int8(Tensor data, Tensor scale, Tensor block_ids, int num_tokens, int block_size, int group, "
+    m.def("gather_kv(Tensor data, Tensor? scale, Tensor block_ids, int num_tokens, int block_size, int group, "
           "bool per_block) -> Tensor");
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
           "Tensor block_tables, Tensor row_seq, Tensor row_len, int block_size, int window=0, "
@@ -744,5 +749,5 @@ TORCH_LIBRARY_FRAGMENT(localrun, m) {
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
     m.impl("paged_attention", &localrun::paged_attention);
-    m.impl("gather_int8", &localrun::gather_int8);
+    m.impl("gather_kv", &localrun::gather_kv);
 }
