@@ -165,20 +165,21 @@ def candidate_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tens
     candidates only (every token tied with the k-th included, as filter_logits keeps them), as
     llama.cpp's sampler chain does. Over a 49k vocabulary the full-width chain (a sort, three
     softmaxes, a draw over all V) took ~4 ms a token on 2 Zen 3 cores, a quarter of a decode step."""
-    values = ids = None
+    values = ids = kth = None
     k = p.top_k
     if 0 < k < logits.shape[-1]:
         values, ids = torch.topk(logits, k + 1)                    # in descending order, one past the k-th
-        if values[k] == values[k - 1]:                             # others tie with the k-th: keep them too
+        kth = values[k - 1]
+        if values[k] == kth:                                       # others tie with the k-th: keep them too
             values = ids = None
         else:
             values, ids = values[:k], ids[:k]
-            if values[-1] == float("-inf"):  # a masked token (grammar, bias) has probability 0 anyway
+            if kth == float("-inf"):         # a masked token (grammar, bias) has probability 0 anyway
                 ids, values = ids[values > float("-inf")], values[values > float("-inf")]
     if ids is None:
         keep = logits > float("-inf")
-        if 0 < p.top_k < logits.shape[-1]:
-            keep &= logits >= torch.topk(logits, p.top_k).values[-1]
+        if kth is not None:
+            keep &= logits >= kth
         ids = keep.nonzero().flatten()
         values, order = torch.sort(logits[ids], descending=True)
         ids = ids[order]
