@@ -479,8 +479,56 @@ def test_compiled_gather_equals_the_stores_torch_read(kv_type, hd, monkeypatch):
         for store in (k_store, v_store):
             compiled = store.read(ids, n, torch.float32)
             with monkeypatch.context() as m:
-                m.setattr(paged_kv, "_compiled_gather", lambda data: False)
+                m.setattr(paged_kv, "_compiled_kv", lambda data: False)
                 reference = store.read(ids, n, torch.float32)
             assert compiled.shape == reference.shape == (n, n_kv, hd)
             assert torch.equal(compiled, reference), (type(store).__name__, ids.tolist(), n)
     assert len(calls) == 8          # every read above went through the compiled gather
+
+
+@pytest.mark.parametrize("kv_type", ["int8", "fp8"])
+@pytest.mark.parametrize("hd", [64, 40])
+def test_compiled_write_equals_the_stores_torch_write(kv_type, hd, monkeypatch):
+    """A sequence's rows written into an int8 or fp8 pool through kernels.write_kv (int8 K: each
+    block written requantized whole with its earlier tokens; V and fp8: per token and group) give
+    the bytes and scales of the stores' torch write, chunk after chunk: a partial first block,
+    chunks across blocks, single rows, over a shuffled block table; nothing else in the pool moves."""
+    from localrun.engine import paged_kv
+    from localrun.engine.paged_kv import PagedKVCache
+    if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    g = torch.Generator().manual_seed(hd + len(kv_type))
+    n_kv, num_blocks = 3, 12
+
+    def stores():
+        return PagedKVCache(num_blocks=num_blocks, block_size=BLOCK, n_layers=1, n_head_kv=n_kv, head_dim=hd,
+                            kv_type=kv_type, compute_dtype=torch.float32).layers[0]
+    compiled, reference = stores(), stores()
+    for a, b in zip(compiled, reference):            # the same prior contents, written by nobody
+        for x, y in zip(a.tensors(), b.tensors()):
+            noise = (torch.randint(-127, 128, x.shape, generator=g).to(x.dtype) if x.dtype != torch.float32
+                     else torch.rand(x.shape, generator=g) + 0.01)
+            x.copy_(noise), y.copy_(noise)
+    calls, write = [], kernels.write_kv
+
+    def counted(*args, **options):
+        calls.append(1)
+        return write(*args, **options)
+    monkeypatch.setattr(kernels, "write_kv", counted)
+    table = torch.randperm(num_blocks, generator=g)[:6]
+    chunks = [(0, 13), (13, 40), (40, 41), (41, 42), (42, 80), (80, 96)]
+    for start, end in chunks:
+        positions = torch.arange(start, end)
+        slots = table[positions // BLOCK] * BLOCK + positions % BLOCK
+        target = paged_kv.WriteTarget(slots, table[start // BLOCK:-(-end // BLOCK)], start % BLOCK)
+        scale = 3.0 if start % 2 else 0.5
+        k, v = torch.randn(end - start, n_kv, hd, generator=g) * scale, torch.randn(end - start, n_kv, hd, generator=g)
+        k[:, 0, :4] = 0                                   # an all-zero group and channel run
+        for got, want, x in ((compiled[0], reference[0], k), (compiled[1], reference[1], v)):
+            got.write(target, x)
+            with monkeypatch.context() as m:
+                m.setattr(paged_kv, "_compiled_kv", lambda data: False)
+                want.write(target, x)
+            for name, a, b in zip(("data", "scale"), got.tensors(), want.tensors()):
+                assert torch.equal(a, b), (type(got).__name__, name, start, end)
+    assert len(calls) == 2 * len(chunks)              # every write above went through the kernel

@@ -133,7 +133,7 @@ class PlainStore:
 
     def read(self, block_ids: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """The first num_tokens tokens of block_ids, in order: (num_tokens, n_kv, hd)."""
-        if self.data.dtype == torch.float16 and _compiled_gather(self.data):
+        if self.data.dtype == torch.float16 and _compiled_kv(self.data):
             return kernels.gather_kv(self.data, None, block_ids, num_tokens, self.block_size).to(dtype)
         return self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens].to(dtype)
 
@@ -160,6 +160,9 @@ class TokenScaledStore(PlainStore):
         return [self.data, self.scale]
 
     def write(self, target, x):
+        if _compiled_kv(self.data):
+            kernels.write_kv(x.float(), self.data, self.scale, target.slots, self.block_size, fp8=self.float8 is not None)
+            return
         t, n_kv, hd = x.shape
         x = x.float().view(t, n_kv, hd // self.group, self.group)                # (t, n_kv, G, group)
         qmax = INT8_MAX if self.float8 is None else torch.finfo(self.float8).max
@@ -172,7 +175,7 @@ class TokenScaledStore(PlainStore):
         self.scale.index_copy_(0, target.slots, scale[..., 0])
 
     def read(self, block_ids, num_tokens, dtype):
-        if self.float8 is None and _compiled_gather(self.data):
+        if self.float8 is None and _compiled_kv(self.data):
             return kernels.gather_kv(self.data, self.scale, block_ids, num_tokens, self.block_size,
                                      self.group).to(dtype)
         q = self.blocks(self.data).index_select(0, block_ids).flatten(0, 1)[:num_tokens]
@@ -199,6 +202,9 @@ class ChannelScaledStore(PlainStore):
     def write(self, target, x):
         # the written blocks belong to this sequence alone (shared blocks are full and never
         # written), so whole blocks are rewritten: earlier tokens of the first block plus x
+        if _compiled_kv(self.data):
+            kernels.write_kv(x.float(), self.data, self.scale, target.slots, self.block_size, per_block=True)
+            return
         bs, t, block_ids, offset = self.block_size, x.shape[0], target.block_ids, target.offset
         blocks = self.blocks(self.data)                                         # (B, bs, n_kv, hd)
         window = x.new_zeros((len(block_ids) * bs, *x.shape[1:]), dtype=torch.float32)
@@ -212,7 +218,7 @@ class ChannelScaledStore(PlainStore):
         self.scale[block_ids] = scale
 
     def read(self, block_ids, num_tokens, dtype):
-        if _compiled_gather(self.data):
+        if _compiled_kv(self.data):
             return kernels.gather_kv(self.data, self.scale, block_ids, num_tokens, self.block_size,
                                      per_block=True).to(dtype)
         q = self.blocks(self.data).index_select(0, block_ids)                    # (nb, bs, n_kv, hd)
@@ -220,10 +226,11 @@ class ChannelScaledStore(PlainStore):
         return q.float().mul_(scale).flatten(0, 1)[:num_tokens].to(dtype)
 
 
-def _compiled_gather(data: torch.Tensor) -> bool:
-    """Whether a float16 or int8 pool's blocks are read by the compiled gather (kernels.gather_kv:
-    one pass per block, the same values as the torch read beside it, which is the reference and
-    the path without the kernels or off the CPU)."""
+def _compiled_kv(data: torch.Tensor) -> bool:
+    """Whether a pool's blocks are read by the compiled gather (kernels.gather_kv: float16 and
+    int8, one pass per block) and a quantized pool's rows written by kernels.write_kv: the same
+    values as the torch code beside each, which is the reference and the path without the kernels
+    or off the CPU."""
     return data.device.type == "cpu" and kernels.available()
 
 

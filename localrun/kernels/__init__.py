@@ -70,3 +70,11 @@ def gather_kv(data: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.T
     (tokens, n_kv, hd): float16 widened; int8 as code x scale, per block and channel (per_block)
     or per group of a token's values."""
     return torch.ops.localrun.gather_kv(data, scale, block_ids, num_tokens, block_size, group, per_block)
+
+
+def write_kv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, block_size: int,
+             per_block: bool = False, fp8: bool = False) -> None:
+    """Write one sequence's rows x (T, n_kv, hd) float32 at slots of an int8 or fp8 KV pool as the
+    stores do: per_block (int8 K): every block written requantized whole, one scale per channel;
+    else one scale per group of a token's values (scale (slots, n_kv, hd / group))."""
+    torch.ops.localrun.write_kv(x, data, scale, slots, block_size, per_block, fp8)

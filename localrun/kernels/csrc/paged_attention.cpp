@@ -736,12 +736,50 @@ at::Tensor gather_kv(const at::Tensor& data, const c10::optional<at::Tensor>& sc
     return out;
 }
 
+// Rows x (T, n_kv, hd) float32 of one sequence written at slots (T,) of a quantized pool, as
+// paged_kv.py's stores write them and as paged_attention writes decode rows (the same functions):
+// int8 with per_block scales (blocks, n_kv, hd): every block a row lands in requantized whole;
+// int8 or fp8 bytes with per-token scales (slots, n_kv, hd / group): each group of a row's values
+// over its own scale. A prompt chunk's write, in one pass instead of ~10 torch ops per store.
+void write_kv(const at::Tensor& x_in, at::Tensor& data, at::Tensor& scale, const at::Tensor& slots_in,
+              int64_t block_size, bool per_block, bool fp8) {
+    const at::Tensor x = x_in.contiguous(), slots = slots_in.to(at::kLong).contiguous();
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3, "localrun::write_kv: x must be float32 (T, n_kv, hd)");
+    TORCH_CHECK(data.is_contiguous() && data.dim() == 3 && data.size(1) == x.size(1) && data.size(2) == x.size(2) &&
+                data.scalar_type() == (fp8 ? at::kByte : at::kChar),
+                "localrun::write_kv: data must be a contiguous (slots, n_kv, hd) int8 (or fp8 bytes) pool");
+    TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.dim() == 3,
+                "localrun::write_kv: scale must be contiguous float32");
+    const int64_t T = x.size(0), n_kv = x.size(1), hd = x.size(2), num_slots = data.size(0);
+    TORCH_CHECK(slots.numel() == T && block_size >= 1 && num_slots % block_size == 0,
+                "localrun::write_kv: one slot per row, whole blocks");
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; t++)
+        TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "localrun::write_kv: slot out of range");
+    const float* xp = x.data_ptr<float>();
+    if (per_block) {
+        TORCH_CHECK(!fp8 && scale.size(0) == num_slots / block_size && scale.size(1) == n_kv && scale.size(2) == hd,
+                    "localrun::write_kv: int8 scales per block and channel (blocks, n_kv, hd)");
+        const std::vector<int64_t> one_sequence(T, 0);
+        write_channel_scaled(data.data_ptr<int8_t>(), scale.data_ptr<float>(), xp, sp, one_sequence.data(), T, n_kv, hd,
+                             block_size);
+        return;
+    }
+    TORCH_CHECK(scale.size(0) == num_slots && scale.size(1) == n_kv && scale.size(2) >= 1 && hd % scale.size(2) == 0,
+                "localrun::write_kv: per-token scales (slots, n_kv, hd / group)");
+    const int64_t group = hd / scale.size(2);
+    if (fp8) write_token_scaled<true>(data.data_ptr(), scale.data_ptr<float>(), group, xp, sp, T, n_kv, hd);
+    else write_token_scaled<false>(data.data_ptr(), scale.data_ptr<float>(), group, xp, sp, T, n_kv, hd);
+}
+
 }  // namespace
 }  // namespace localrun
 
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.def("gather_kv(Tensor data, Tensor? scale, Tensor block_ids, int num_tokens, int block_size, int group, "
           "bool per_block) -> Tensor");
+    m.def("write_kv(Tensor x, Tensor(a!) data, Tensor(b!) scale, Tensor slots, int block_size, bool per_block, "
+          "bool fp8) -> ()");
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
           "Tensor block_tables, Tensor row_seq, Tensor row_len, int block_size, int window=0, "
           "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
@@ -750,4 +788,5 @@ TORCH_LIBRARY_FRAGMENT(localrun, m) {
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
     m.impl("paged_attention", &localrun::paged_attention);
     m.impl("gather_kv", &localrun::gather_kv);
+    m.impl("write_kv", &localrun::write_kv);
 }
