@@ -45,8 +45,14 @@ def run_config(model_path, requests, args, flags: list[str]) -> dict:
     row["flags"] = " ".join(flags)
     print(f"  [{row['flags']}] TTFT p50 {row['ttft_p50_s']:.2f}s p99 {row['ttft_p99_s']:.2f}s "
           f"ITL p99 {row['itl_p99_s']:.2f}s {row['output_tok_s']:.1f} tok/s, "
-          f"{row['preemptions']:.0f} preemptions", file=sys.stderr)
+          f"{row['preemptions']:.0f} preemptions, CPU steal {steal(row)}", file=sys.stderr)
     return row
+
+
+def steal(row: dict) -> str:
+    """The share of CPU time the hypervisor took during the row's run ('n/a' off Linux)."""
+    shares = row.get("cpu_time_shares")
+    return "n/a" if shares is None else f"{shares['steal']:.2f}"
 
 
 def scrape(url: str, sample_name: str) -> float:
@@ -110,17 +116,17 @@ def main() -> None:
 
     base = steps[0]["ttft_p50_s"]
     print("\n| step | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | ITL p99 (ms) | throughput (tok/s) | "
-          "cumulative TTFT p50 reduction | preemptions |")
-    print("|---|---|---|---|---|---|---|---|")
+          "cumulative TTFT p50 reduction | preemptions | CPU steal |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(steps):
         r["cumulative_ttft_reduction"] = 1 - r["ttft_p50_s"] / base
         print(f"| ({i}) {r['step']} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['tpot_p50_s'] * 1000:.0f} | "
               f"{r['itl_p99_s'] * 1000:.0f} | {r['output_tok_s']:.1f} | {r['cumulative_ttft_reduction']:.3f} | "
-              f"{r['preemptions']:.0f} |")
+              f"{r['preemptions']:.0f} | {steal(r)} |")
     if peer:
         print(f"| peer: llama-cpp-python server | {peer['ttft_p50_s']:.2f} | {peer['ttft_p99_s']:.2f} | "
               f"{peer['tpot_p50_s'] * 1000:.0f} | {peer['itl_p99_s'] * 1000:.0f} | {peer['output_tok_s']:.1f} | "
-              f"{1 - peer['ttft_p50_s'] / base:.3f} | n/a |")
+              f"{1 - peer['ttft_p50_s'] / base:.3f} | n/a | {steal(peer)} |")
     if args.plot:
         plot(steps, peer, args.plot)
     print(json.dumps({"cpu": cpu_info(),

@@ -58,7 +58,9 @@ def torch_capability() -> str | None:
 
 def cpu_info(with_torch: bool = True) -> dict:
     """{"model", "machine", "flags": {flag: bool}, "torch_capability", "aten_cpu_capability",
-    "localrun_isa"}: the last two are the environment overrides in force (None when unset)."""
+    "localrun_isa", "time_shares"}: the environment overrides in force (None when unset), and
+    how all CPUs' time went since this module was imported (a benchmark's start: busy, idle,
+    steal; cpu_time_shares)."""
     model, _ = _proc_cpuinfo()
     return {
         "model": model or platform.processor() or platform.machine(),
@@ -67,7 +69,44 @@ def cpu_info(with_torch: bool = True) -> dict:
         "torch_capability": torch_capability() if with_torch else None,
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
         "localrun_isa": os.environ.get("LOCALRUN_ISA"),
+        "time_shares": cpu_time_shares(_TIMES_AT_IMPORT),
     }
+
+
+# /proc/stat's aggregate CPU columns, in order (proc(5)), in clock ticks since boot
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times() -> dict[str, int] | None:
+    """All CPUs' time so far by kind ({field: ticks}, STAT_FIELDS); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            first = f.readline().split()
+    except OSError:
+        return None
+    if not first or first[0] != "cpu":
+        return None
+    return dict(zip(STAT_FIELDS, map(int, first[1:1 + len(STAT_FIELDS)])))
+
+
+def cpu_time_shares(before: dict[str, int] | None, after: dict[str, int] | None = None) -> dict | None:
+    """How all CPUs' time between two cpu_times() readings (after: now) was spent, as shares:
+    busy (this guest's work: ours and anything else running), idle, and steal (time the
+    hypervisor gave other guests while this one wanted to run). A figure measured under steal
+    is slower than the code; benchmarks print these beside their figures. None off Linux."""
+    after = after if after is not None else cpu_times()
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in STAT_FIELDS}
+    total = sum(d.values())
+    if total <= 0:
+        return None
+    busy = d["user"] + d["nice"] + d["system"] + d["irq"] + d["softirq"]
+    return {"busy": round(busy / total, 3), "idle": round((d["idle"] + d["iowait"]) / total, 3),
+            "steal": round(d["steal"] / total, 3)}
+
+
+_TIMES_AT_IMPORT = cpu_times()
 
 
 if __name__ == "__main__":

@@ -38,3 +38,22 @@ def test_imports_no_torch():
     code = ("import sys, json; from localrun.cpu_info import cpu_info; "
             "json.dumps(cpu_info(with_torch=False)); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_cpu_time_shares_are_computed_from_stat_deltas():
+    """Shares of the ticks between two readings, by hand: 60 busy (user, nice, system, irq,
+    softirq), 20 idle (idle, iowait), 20 steal, of 100."""
+    from localrun.cpu_info import STAT_FIELDS, cpu_time_shares
+    before = dict.fromkeys(STAT_FIELDS, 1000)
+    after = {**before, "user": 1030, "nice": 1005, "system": 1015, "irq": 1004, "softirq": 1006,
+             "idle": 1015, "iowait": 1005, "steal": 1020}
+    assert cpu_time_shares(before, after) == {"busy": 0.6, "idle": 0.2, "steal": 0.2}
+    assert cpu_time_shares(before, before) is None           # no ticks between: no shares
+    assert cpu_time_shares(None, after) is None
+
+
+@needs_proc_cpuinfo
+def test_cpu_info_reports_the_time_shares_since_start():
+    shares = cpu_info(with_torch=False)["time_shares"]
+    assert shares is not None and set(shares) == {"busy", "idle", "steal"}
+    assert abs(sum(shares.values()) - 1) <= 0.002 and all(0 <= v <= 1 for v in shares.values())

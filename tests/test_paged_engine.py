@@ -4,6 +4,7 @@ preemption, abort, quantized KV) against each request run alone through the sing
 runner that `LLM.generate` uses."""
 from __future__ import annotations
 
+import json
 import random
 from collections import deque
 
@@ -506,3 +507,16 @@ def test_fp8_without_torch_support_is_a_user_error(model, monkeypatch):
     monkeypatch.setattr(paged_kv, "fp8_dtype", lambda: None)
     with pytest.raises(UserError, match="float8_e4m3fn"):
         LLMEngine(model, kv_type="fp8", num_blocks=64)
+
+
+def test_step_log_writes_one_line_per_step_with_its_entries(model, tmp_path, monkeypatch):
+    """LOCALRUN_STEP_LOG: each step's entries [request, first position, new tokens, prompt
+    tokens], in order, and its run time: here a 9-token prompt in chunks of 4, then decodes."""
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LOCALRUN_STEP_LOG", str(log))
+    engine = make_engine(model, max_num_batched_tokens=4, max_num_seqs=1)
+    run_all(engine, [PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["entries"] for r in rows] == [[["r0", 0, 4, 9]], [["r0", 4, 4, 9]], [["r0", 8, 1, 9]],
+                                            [["r0", 9, 1, 9]], [["r0", 10, 1, 9]]]
+    assert all(r["execute_s"] > 0 and r["waiting"] == 0 and r["running"] == 1 for r in rows)

@@ -12,6 +12,8 @@ never be used at once).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -142,6 +144,9 @@ class LLMEngine:
         self.clock = clock
         self._finished_at_add: list[Sequence] = []   # max_tokens=0: reported by the next step
         self.step_cost: MixedStepCost | None = None     # measured step times, under an ITL target
+        # LOCALRUN_STEP_LOG=path: one JSON line per step (what it ran, how long), to trace a schedule
+        step_log = os.environ.get("LOCALRUN_STEP_LOG")
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None
         self.itl_stats = {"itl_planned_steps": 0, "itl_target_misses": 0, "step_planned_s": 0.0,
                           "step_actual_s": 0.0}
 
@@ -249,6 +254,8 @@ class LLMEngine:
             self.itl_stats["itl_target_misses"] += execute_s > self.scheduler.config.itl_target_s
             self.itl_stats["step_planned_s"] += batch.planned_s
             self.itl_stats["step_actual_s"] += execute_s
+        if self._step_log is not None:
+            self._log_step(batch, start, execute_s)
         errors = self._finish_failed(batch, sampled)
         finished = self.scheduler.postprocess(batch, sampled)
         if self.speculator is not None:
@@ -271,6 +278,15 @@ class LLMEngine:
             target = self.scheduler.config.itl_target_s
             self.disk_cache.write_window(max(target - execute_s, 0.0) if target else DISK_WRITE_SHARE * execute_s)
         return outputs
+
+    def _log_step(self, batch, start: float, execute_s: float) -> None:
+        """One line per step: its start (perf_counter), run time, plan, the queue, and each entry
+        as [request id, first position, new tokens, prompt tokens]."""
+        self._step_log.write(json.dumps({
+            "start": round(start, 4), "execute_s": round(execute_s, 4), "planned_s": batch.planned_s,
+            "waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+            "entries": [[e.seq.request_id, e.start_position, e.num_new_tokens, e.seq.num_prompt_tokens] for e in batch.entries],
+        }) + "\n")
 
     def _finish_failed(self, batch, sampled: list) -> dict[str, str]:
         """End each request whose sampling raised (finish_reason "error", blocks freed) and
