@@ -448,6 +448,8 @@ template <int QT>
 static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows, int64_t K, Tile8& t, int64_t next_rows) {
     const int64_t G = K / 32;
     t.q.resize(8 * G); t.ab.resize(32 * G);
+    __m256i* const tq = t.q.data();    // plain pointers in the loops (the tile is thread_local: tile_rows)
+    float* const tab = t.ab.data();
     const uint8_t* rp[8];
     for (int i = 0; i < 8; i++) rp[i] = w + (n0 + std::min(i, rows - 1)) * row_bytes;
     if constexpr (LOCKSTEP<QT>) {
@@ -458,7 +460,7 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
         for (int64_t g = 0; g < G; g++) {
             for (int64_t off = g * per; off < std::min(span, (g + 1) * per); off += 64)
                 _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
-            group8<QT>(rp, g, t.q.data() + 8 * g, t.ab.data() + 32 * g);
+            group8<QT>(rp, g, tq + 8 * g, tab + 32 * g);
         }
         return;
     }
@@ -476,7 +478,7 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
                 const float d = f16(blk), dmin = f16(blk + 2);
                 for (int j = 0; j < 8; j++) {
                     int sc, m; scale_min_k4(j, blk + 4, sc, m);
-                    float* ab = t.ab.data() + 32 * (8 * sb + j) + i;
+                    float* ab = tab + 32 * (8 * sb + j) + i;
                     ab[0] = ab[8] = d * (float)sc;
                     ab[16] = ab[24] = -dmin * (float)m;
                 }
@@ -485,7 +487,7 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
                 __m256i r[8], words[8];
                 for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * 144 + 16 + 32 * c));
                 transpose8(r, words);
-                __m256i* lo = t.q.data() + 8 * (8 * sb + 2 * c);
+                __m256i* lo = tq + 8 * (8 * sb + 2 * c);
                 for (int s = 0; s < 8; s++) {
                     lo[s] = _mm256_and_si256(words[s], low4);
                     lo[8 + s] = _mm256_and_si256(_mm256_srli_epi16(words[s], 4), low4);
@@ -496,9 +498,10 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     }
     // Q5_K, Q6_K: each row decoded group by group (for_each_group), then each group transposed
     t.rows.resize(8 * K);
+    uint8_t* const trows = t.rows.data();
     for (int i = 0; i < 8; i++) {
-        uint8_t* codes = t.rows.data() + i * K;
-        float* ab = t.ab.data() + i;
+        uint8_t* codes = trows + i * K;
+        float* ab = tab + i;
         for_each_group<QT>(rp[i], K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
             _mm256_storeu_si256((__m256i*)(codes + 32 * g), q);
             ab[32 * g] = _mm256_cvtss_f32(a);
@@ -509,8 +512,8 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     }
     for (int64_t g = 0; g < G; g++) {
         __m256i r[8];
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(t.rows.data() + i * K + 32 * g));
-        transpose8(r, t.q.data() + 8 * g);
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(trows + i * K + 32 * g));
+        transpose8(r, tq + 8 * g);
     }
 }
 
@@ -538,8 +541,12 @@ static inline __attribute__((always_inline)) __m256i steps_sum(const __m256i* q,
 }
 
 // y[m0 + r, n0 + i] for r < R, i < rows, from the tile of rows n0 ..
+// tq, tab: the tile's q and ab (Tile8), passed as plain pointers: the tile is thread_local, and
+// GCC (-fPIC, general-dynamic TLS) otherwise re-derived its address with a __tls_get_addr call
+// (and a vzeroupper, the accumulators spilled around it) in every group of this loop.
 template <int QT, int R>
-static void tile_rows(const Tile8& t, const QX& qx, int64_t m0, float* y, int64_t ldy, int64_t n0, int rows) {
+static void tile_rows(const __m256i* tq, const float* tab, const QX& qx, int64_t m0, float* y, int64_t ldy, int64_t n0,
+                      int rows) {
     const int64_t K = qx.K, G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[R];
@@ -548,8 +555,8 @@ static void tile_rows(const Tile8& t, const QX& qx, int64_t m0, float* y, int64_
     const uint8_t* xs = (const uint8_t*)(qx.qs + m0 * K);
     const float* dx = qx.d + m0 * G;
     for (int64_t g = 0; g < G; g++) {
-        const __m256i* q = t.q.data() + 8 * g;
-        const float* ab = t.ab.data() + 32 * g;
+        const __m256i* q = tq + 8 * g;
+        const float* ab = tab + 32 * g;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const uint8_t* x = xs + r * K + 32 * g;
@@ -583,12 +590,14 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     for (int64_t nt = n0; nt < n1; nt += 8) {
         const int rows = (int)std::min<int64_t>(8, n1 - nt);
         build_tile<QT>(w, row_bytes, nt, rows, qx.K, tile, std::min<int64_t>(8, std::max<int64_t>(0, n1 - nt - 8)));
+        const __m256i* tq = tile.q.data();
+        const float* tab = tile.ab.data();
         int64_t m = 0;
-        for (; m + LANES_TILE <= M; m += LANES_TILE) tile_rows<QT, LANES_TILE>(tile, qx, m, y, ldy, nt, rows);
+        for (; m + LANES_TILE <= M; m += LANES_TILE) tile_rows<QT, LANES_TILE>(tq, tab, qx, m, y, ldy, nt, rows);
         switch (M - m) {
-            case 3: tile_rows<QT, 3>(tile, qx, m, y, ldy, nt, rows); break;
-            case 2: tile_rows<QT, 2>(tile, qx, m, y, ldy, nt, rows); break;
-            case 1: tile_rows<QT, 1>(tile, qx, m, y, ldy, nt, rows); break;
+            case 3: tile_rows<QT, 3>(tq, tab, qx, m, y, ldy, nt, rows); break;
+            case 2: tile_rows<QT, 2>(tq, tab, qx, m, y, ldy, nt, rows); break;
+            case 1: tile_rows<QT, 1>(tq, tab, qx, m, y, ldy, nt, rows); break;
             default: break;
         }
     }
