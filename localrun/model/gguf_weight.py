@@ -29,16 +29,18 @@ from localrun import kernels
 
 PROMPT_GEMM_MIN_ROWS = 32
 PROMPT_TILE_BYTES = 2 << 20         # float32 bytes of one dequantized tile of weight rows
-LANES_MIN_PARALLEL = 8              # sequences decoded together from which decode rows use the lane layout
+LANES_MIN_PARALLEL = 1              # sequences decoded together from which decode rows use the lane layout
 
 
 def use_lanes(n_parallel: int) -> bool:
     """Whether decode rows use the integer kernel's lane layout (AVX2: eight weight rows side by
-    side, csrc/qmatmul_simd.h) rather than the row layout. The lanes are faster from a few rows a
-    call on (about 1.3-1.9x at 16 on Zen 3) and slower for one row alone (about 15% in a decode
-    step), so an engine built for LANES_MIN_PARALLEL sequences or more uses them. One engine uses
-    one layout for every call, so a row's result never depends on what shares its step (the two
-    layouts differ by summation order). On AVX-512 the kernel has one layout and ignores this."""
+    side, csrc/qmatmul_simd.h) rather than the row layout. Measured in decode steps on Zen 3
+    (benchmarks/batched_decode.py --compare-layouts, 2026-12-02), the lanes take 0.95-0.99x the
+    rows' time with one sequence, 0.88-0.92x with 4 and 0.76-0.80x with 16, so every engine
+    (LANES_MIN_PARALLEL = 1) uses them on AVX2; the threshold was 8 while a thread-local lookup
+    in the lane kernel's loops made one row 5-10% slower. One engine uses one layout for every
+    call, so a row's result never depends on what shares its step (the two layouts differ by
+    summation order). On AVX-512 the kernel has one layout and ignores this."""
     return n_parallel >= LANES_MIN_PARALLEL and kernels.isa() == "avx2"
 
 
