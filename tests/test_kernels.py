@@ -532,3 +532,35 @@ def test_compiled_write_equals_the_stores_torch_write(kv_type, hd, monkeypatch):
             for name, a, b in zip(("data", "scale"), got.tensors(), want.tensors()):
                 assert torch.equal(a, b), (type(got).__name__, name, start, end)
     assert len(calls) == 2 * len(chunks)              # every write above went through the kernel
+
+
+def test_topk_kernel_equals_torch_topk_ties_lowest_index_first():
+    """kernels.topk (the sampler's candidates) against a stable sort: the n largest values in
+    descending order, ties by lowest index, for random rows, rows full of ties, masked (-inf)
+    logits, rows whose n-th value is -inf, and n from 1 to V; without ties, torch.topk's ids too.
+    A row with a NaN returns torch.topk's own result."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for V in (1, 7, 8, 9, 100, 49152):
+        rows.append(rng.standard_normal(V).astype(np.float32) * 4)
+        rows.append(rng.integers(-3, 4, V).astype(np.float32))                  # many ties
+        masked = rng.standard_normal(V).astype(np.float32)
+        masked[rng.random(V) < 0.9] = -np.inf
+        rows.append(masked)
+    for x in rows:
+        V = len(x)
+        stable = np.lexsort((np.arange(V), -x.astype(np.float64)))            # value desc, index asc
+        for n in sorted({1, min(V, 2), min(V, 8), min(V, 41), V}):
+            values, ids = kernels.topk(torch.from_numpy(x), n)
+            assert ids.dtype == torch.long and values.shape == ids.shape == (n,)
+            assert np.array_equal(ids.numpy(), stable[:n]), (V, n)
+            assert np.array_equal(values.numpy(), x[stable[:n]]), (V, n)
+            if len(np.unique(x)) == V:                                       # no ties: torch's ids as well
+                want = torch.topk(torch.from_numpy(x), n)
+                assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
+    x = torch.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    for at in (0, 500, 999):
+        y = x.clone()
+        y[at] = float("nan")
+        got, want = kernels.topk(y, 10), torch.topk(y, 10)
+        assert torch.equal(got[1], want.indices) and torch.allclose(got[0], want.values, equal_nan=True)

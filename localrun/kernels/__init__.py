@@ -7,6 +7,7 @@
 - `dequantize(w, qtype, k)`: the float32 values of a weight (the prompt path's GEMM and tests).
 - `qmatmul_f32(x, weights, qtypes)`: the same product with float32 activations (prompt rows).
 - `rms_norm`, `add_rms_norm`, `silu_mul` (csrc/small_ops.cpp): fused small ops of a block.
+- `topk(x, n)` (csrc/topk.cpp): the sampler's candidates, one pass over a row of logits.
 
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
 The library is compiled by set-up (`python -m localrun.kernels.build`); if it is missing it is
@@ -78,3 +79,9 @@ def write_kv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, slots: to
     stores do: per_block (int8 K): every block written requantized whole, one scale per channel;
     else one scale per group of a token's values (scale (slots, n_kv, hd / group))."""
     torch.ops.localrun.write_kv(x, data, scale, slots, block_size, per_block, fp8)
+
+
+def topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest of a (V,) float32 row in descending order, ties lowest index first, and their
+    ids, in one pass on the calling thread (a row with a NaN goes to torch.topk)."""
+    return torch.ops.localrun.topk(x, n)
