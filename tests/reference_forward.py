@@ -2,7 +2,8 @@
 computes it.
 
 Independent of localrun: reads the file with gguf-py, dequantizes every tensor with
-`gguf.quants.dequantize`, and runs the transformer one position at a time with full causal
+`gguf.quants.dequantize` (the embedding and output head a block of rows at a time, as needed),
+and runs the transformer one position at a time with full causal
 attention over the prefix. Slow and simple on purpose; for tiny models in tests.
 
 What llama.cpp does for `general.architecture = llama` (src/llama-model.cpp, ggml-cpu/ops.cpp):
@@ -70,8 +71,25 @@ class LlamaHyperparams:
         return 10000.0 if self.is_local(layer) else self.rope_base
 
 
-def read_llama_gguf(path: str | Path) -> tuple[LlamaHyperparams, dict[str, np.ndarray]]:
-    """Hyperparameters and every tensor dequantized to float64, by GGUF name, in numpy shape order."""
+class QuantizedRows:
+    """A 2-D tensor left as the file stores it; rows dequantized to float64 on request (by
+    `gguf.quants.dequantize`, as the other tensors). For the embedding and output head, whose
+    float64 copy over a large vocabulary (1.3 GB for gemma-3's 262k x 640) took most of a test
+    in first-touch page faults."""
+
+    def __init__(self, tensor):
+        self.data, self.qtype = tensor.data, tensor.tensor_type
+        self.shape = tuple(int(n) for n in reversed(tensor.shape))
+
+    def rows(self, index) -> np.ndarray:
+        """The rows `index` (an index array or a slice) as float64 (rows, columns)."""
+        rows = np.asarray(gguf.quants.dequantize(self.data[index], self.qtype), dtype=np.float64)
+        return rows.reshape(-1, self.shape[1])
+
+
+def read_llama_gguf(path: str | Path, lazy: tuple[str, ...] = ()) -> tuple[LlamaHyperparams, dict[str, np.ndarray]]:
+    """Hyperparameters and every tensor dequantized to float64, by GGUF name, in numpy shape
+    order; the 2-D tensors named in `lazy` as QuantizedRows instead."""
     reader = gguf.GGUFReader(path)
 
     def field(key: str, default=None):
@@ -80,7 +98,8 @@ def read_llama_gguf(path: str | Path) -> tuple[LlamaHyperparams, dict[str, np.nd
     arch = field("general.architecture")
     assert arch in ("llama", "qwen2", "qwen3", "gemma3"), f"{path}: architecture {arch!r} not implemented here"
     weights = {
-        tensor.name: np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64)
+        tensor.name: QuantizedRows(tensor) if tensor.name in lazy else
+        np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64)
         .reshape([int(n) for n in reversed(tensor.shape)])
         for tensor in reader.tensors
     }
@@ -109,11 +128,14 @@ def read_llama_gguf(path: str | Path) -> tuple[LlamaHyperparams, dict[str, np.nd
     return hparams, weights
 
 
+HEAD_CHUNK = 8192      # output rows dequantized at a time
+
+
 def naive_logits(path: str | Path, token_ids: list[int] | np.ndarray) -> np.ndarray:
     """Next-token logits at every position, shape (len(token_ids), n_vocab), float64."""
-    hp, w = read_llama_gguf(path)
+    hp, w = read_llama_gguf(path, lazy=("token_embd.weight", "output.weight"))
     eps, gemma = hp.rms_norm_eps, hp.architecture == "gemma3"
-    x = w["token_embd.weight"][np.asarray(token_ids)]  # (T, n_embd)
+    x = w["token_embd.weight"].rows(np.asarray(token_ids))  # (T, n_embd)
     if gemma:
         x = x * np.sqrt(hp.n_embd)
     for i in range(hp.n_layers):
@@ -125,8 +147,10 @@ def naive_logits(path: str | Path, token_ids: list[int] | np.ndarray) -> np.ndar
         if gemma:
             ffn = rms_norm(ffn, w[f"blk.{i}.post_ffw_norm.weight"], eps)
         x = x + ffn
-    output = w.get("output.weight", w["token_embd.weight"])  # (n_vocab, n_embd)
-    return rms_norm(x, w["output_norm.weight"], eps) @ output.T
+    output = w.get("output.weight", w["token_embd.weight"])  # (n_vocab, n_embd), rows on request
+    h = rms_norm(x, w["output_norm.weight"], eps)
+    return np.concatenate([h @ output.rows(slice(a, a + HEAD_CHUNK)).T for a in range(0, output.shape[0], HEAD_CHUNK)],
+                          axis=1)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
