@@ -10,6 +10,8 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -27,23 +29,21 @@ inline bool worse(const Entry& a, const Entry& b) { return a.value < b.value || 
 // heap order for std::push_heap / pop_heap: the worst entry at the front
 inline bool better(const Entry& a, const Entry& b) { return worse(b, a); }
 
-// The first index from i on whose value is not <= threshold (greater, or a NaN), or V: eight
-// compares at once, with AVX where the CPU has it.
+// The first index from i on whose value is not <= threshold (greater, or a NaN), or V.
+int64_t next_candidate_base(const float* p, int64_t i, int64_t V, float threshold) {
+    for (; i < V; i++)
+        if (!(p[i] <= threshold)) return i;
+    return V;
+}
+
+// The same, eight compares at once (AVX); the last few one by one.
 __attribute__((target("avx"))) int64_t next_candidate_avx(const float* p, int64_t i, int64_t V, float threshold) {
     const __m256 t = _mm256_set1_ps(threshold);
     for (; i + 8 <= V; i += 8) {
         const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), t, _CMP_NLE_UQ));
         if (mask) return i + __builtin_ctz(mask);
     }
-    for (; i < V; i++)
-        if (!(p[i] <= threshold)) return i;
-    return V;
-}
-
-int64_t next_candidate_base(const float* p, int64_t i, int64_t V, float threshold) {
-    for (; i < V; i++)
-        if (!(p[i] <= threshold)) return i;
-    return V;
+    return next_candidate_base(p, i, V, threshold);
 }
 
 std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x_in, int64_t n) {
@@ -51,7 +51,11 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x_in, int64_t n) {
     const at::Tensor x = x_in.contiguous();
     const int64_t V = x.size(0);
     TORCH_CHECK(n >= 1 && n <= V, "localrun::topk: n must be in 1..V");
-    static const auto next_candidate = __builtin_cpu_supports("avx") ? &next_candidate_avx : &next_candidate_base;
+    static const auto next_candidate = [] {     // LOCALRUN_ISA=ref forces the plain loop, as for the other kernels
+        const char* env = std::getenv("LOCALRUN_ISA");
+        const bool ref = env && std::string(env) == "ref";
+        return !ref && __builtin_cpu_supports("avx") ? &next_candidate_avx : &next_candidate_base;
+    }();
     const float* p = x.data_ptr<float>();
     std::vector<Entry> heap;
     heap.reserve(n);
