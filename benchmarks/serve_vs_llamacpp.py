@@ -32,7 +32,7 @@ from localrun.bench.stats import summarize  # noqa: E402
 from localrun.bench.workload import BenchRequest  # noqa: E402
 from localrun.models import resolve_model  # noqa: E402
 from localrun.tokenizer import Tokenizer  # noqa: E402
-from localrun.cpu_info import cpu_info, cpu_time_shares, cpu_times  # noqa: E402
+from localrun.cpu_info import cpu_info, cpu_time_shares, cpu_times, steal_ok  # noqa: E402
 
 
 def workload(model_path, n: int, prefix_tokens: int, output_tokens: int,
@@ -61,7 +61,8 @@ def measure(url: str, requests, extra_body: dict | None, ignore_eos: bool) -> di
             "output_tok_s": s["output_token_throughput"], "completion_tokens": s["completion_tokens"],
             "errors": s["errors"], "error_messages": s["error_messages"],
             "ttft_breakdown_p50_s": (s.get("ttft_breakdown_s") or {}).get("p50"),
-            "cpu_time_shares": shares}   # steal: the hypervisor's share; figures under it are slower
+            "cpu_time_shares": shares,   # steal: the hypervisor's share; figures under it are slower
+            "steal_ok": steal_ok(shares)}
 
 
 def workload_parser(description: str, ctx: int) -> argparse.ArgumentParser:

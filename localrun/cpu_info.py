@@ -58,10 +58,13 @@ def torch_capability() -> str | None:
 
 def cpu_info(with_torch: bool = True) -> dict:
     """{"model", "machine", "flags": {flag: bool}, "torch_capability", "aten_cpu_capability",
-    "localrun_isa", "time_shares"}: the environment overrides in force (None when unset), and
-    how all CPUs' time went since this module was imported (a benchmark's start: busy, idle,
-    steal; cpu_time_shares)."""
+    "localrun_isa", "time_shares", "steal_ok"}: the environment overrides in force (None when
+    unset), how all CPUs' time went since this module was imported (a benchmark's start: busy,
+    idle, steal; cpu_time_shares), and whether the steal stayed within STEAL_LIMIT (None where
+    it cannot be read): a benchmark whose JSON says false measured the host's neighbours as
+    much as the code, and its figures are not to be compared with a quiet run's."""
     model, _ = _proc_cpuinfo()
+    shares = cpu_time_shares(_TIMES_AT_IMPORT)
     return {
         "model": model or platform.processor() or platform.machine(),
         "machine": platform.machine(),
@@ -69,8 +72,21 @@ def cpu_info(with_torch: bool = True) -> dict:
         "torch_capability": torch_capability() if with_torch else None,
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
         "localrun_isa": os.environ.get("LOCALRUN_ISA"),
-        "time_shares": cpu_time_shares(_TIMES_AT_IMPORT),
+        "time_shares": shares,
+        "steal_ok": steal_ok(shares),
     }
+
+
+# The share of the CPUs' time the hypervisor may give other guests during a benchmark before
+# its figures are marked (cpu_info's "steal_ok"). On a 2-core VM, 15-44% steal over whole
+# minutes was seen, and it alone doubled engine step times; under 5% runs repeat within a few
+# percent of each other.
+STEAL_LIMIT = 0.05
+
+
+def steal_ok(shares: dict | None) -> bool | None:
+    """Whether time shares (cpu_time_shares) show steal within STEAL_LIMIT; None without them."""
+    return None if shares is None else shares["steal"] <= STEAL_LIMIT
 
 
 # /proc/stat's aggregate CPU columns, in order (proc(5)), in clock ticks since boot

@@ -57,3 +57,18 @@ def test_cpu_info_reports_the_time_shares_since_start():
     shares = cpu_info(with_torch=False)["time_shares"]
     assert shares is not None and set(shares) == {"busy", "idle", "steal"}
     assert abs(sum(shares.values()) - 1) <= 0.002 and all(0 <= v <= 1 for v in shares.values())
+
+
+def test_steal_marks_a_run_over_the_limit():
+    """At the limit a run is fine, past it not; without shares, unknown."""
+    from localrun.cpu_info import STEAL_LIMIT, steal_ok
+    assert steal_ok({"busy": 0.9, "idle": 0.1 - STEAL_LIMIT, "steal": STEAL_LIMIT}) is True
+    assert steal_ok({"busy": 0.6, "idle": 0.2, "steal": 0.2}) is False
+    assert steal_ok(None) is None
+
+
+@needs_proc_cpuinfo
+def test_cpu_info_says_whether_steal_stayed_under_the_limit():
+    from localrun.cpu_info import steal_ok
+    info = cpu_info(with_torch=False)
+    assert info["steal_ok"] == steal_ok(info["time_shares"]) and info["steal_ok"] is not None
