@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 SCHEMA = {

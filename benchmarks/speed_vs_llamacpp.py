@@ -111,8 +111,8 @@ def main():
     print(f"model {path.name}, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
           f"decode {args.gen_tokens} tokens, best of {args.repeats}, localrun dtype {llm.dtype}, "
           f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"| engine    | prefill tok/s | decode tok/s |")
-    print(f"|-----------|---------------|--------------|")
+    print("| engine    | prefill tok/s | decode tok/s |")
+    print("|-----------|---------------|--------------|")
     for k, (p, d) in best.items():
         print(f"| {k:<9} | {p:13.1f} | {d:12.1f} |")
     print(f"| ratio     | {ratio_prefill:12.2f}x | {ratio_decode:11.2f}x |")

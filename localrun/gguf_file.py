@@ -77,7 +77,6 @@ def type_name(type_id: int) -> str:
 
 def expected_shapes(c: ModelConfig, has_rope_freqs: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor the model reads, with its shape in GGUF order (row length first)."""
-    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     shapes = {"token_embd.weight": (c.n_embd, c.n_vocab), "output_norm.weight": (c.n_embd,)}
     if not c.tied_output:
         shapes["output.weight"] = (c.n_embd, c.n_vocab)

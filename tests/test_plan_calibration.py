@@ -3,7 +3,6 @@ whether a calibration is trusted, and the cache is keyed by CPU model and flags,
 and localrun's version."""
 import json
 import os
-import time
 from dataclasses import asdict, replace
 
 import pytest

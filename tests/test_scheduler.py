@@ -253,6 +253,7 @@ def test_timeline_and_timings_with_a_fake_clock():
     seq = Sequence("a", list(range(1, 7)) + [40] * 15, Params(max_tokens=3, ignore_eos=True))
     now[0] = 1.0
     scheduler.add(seq)                                # 21 prompt tokens, 4 cached: chunks 16 + 1
+    batch = None
     for t in (3.0, 4.0, 6.0, 7.0, 9.0, 10.0, 12.0, 13.0):
         now[0] = t
         batch = scheduler.schedule() if t in (3.0, 6.0, 9.0, 12.0) else batch

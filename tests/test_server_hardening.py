@@ -20,7 +20,7 @@ import localrun.frontend as frontend
 from localrun.api import LLM
 from localrun.server.app import ServerConfig, create_app
 from localrun.server.guard import AccessPolicy
-from localrun.server.json_body import MAX_JSON_DEPTH, MAX_NUMBER_CHARS
+from localrun.server.json_body import MAX_JSON_DEPTH
 from localrun.server.timeouts import uvicorn_options
 from server_harness import health, running, serving, sse_payloads, wait_until
 

@@ -23,7 +23,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from localrun import kernels
 
