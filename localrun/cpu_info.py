@@ -79,8 +79,9 @@ def cpu_info(with_torch: bool = True) -> dict:
 
 # The share of the CPUs' time the hypervisor may give other guests during a benchmark before
 # its figures are marked (cpu_info's "steal_ok"). On a 2-core VM, 15-44% steal over whole
-# minutes was seen, and it alone doubled engine step times; under 5% runs repeat within a few
-# percent of each other.
+# minutes was seen, and it alone doubled engine step times. Under the limit a run is not
+# thereby steady (docs/kernels.md: ±15% between runs at 1% steal on the same host); over it,
+# it is not worth comparing at all.
 STEAL_LIMIT = 0.05
 
 
