@@ -367,6 +367,37 @@ def test_paged_attention_long_rows_split_and_merged(hd):
     check_paged_against_float64(rng, hd, 2, 3, lengths, tables, (0, 700), 3e-6, alone=range(len(lengths)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_row_alone_equals_row_in_a_full_step(dtype):
+    """A decode row alone (too few rows for the threads: one task per KV head, its heads maybe
+    split) and the same row among 16 (one task per row over every KV head, each block read whole)
+    give the same bits, and both match float64. 300 positions, SmolLM2's heads (9 over 3 KV heads),
+    2 threads, so the lone row is above the kernel's serial threshold."""
+    rng = np.random.default_rng(11)
+    n_kv, group, hd, rows, n = 3, 3, 64, 16, 300
+    per_seq = -(-n // BLOCK)
+    tables = torch.from_numpy(rng.permutation(rows * per_seq).reshape(rows, per_seq))
+    k_pool = torch.from_numpy(rng.standard_normal((rows * per_seq * BLOCK, n_kv, hd)).astype(np.float32)).to(dtype)
+    v_pool = torch.from_numpy(rng.standard_normal((rows * per_seq * BLOCK, n_kv, hd)).astype(np.float32)).to(dtype)
+    q = torch.from_numpy(rng.standard_normal((rows, n_kv * group, hd)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((rows, n_kv, hd)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((rows, n_kv, hd)).astype(np.float32))
+    slots = tables[:, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        call = lambda r: torch.ops.localrun.paged_attention(q[r], k[r], v[r], k_pool, v_pool, slots[r], tables,
+                                                            torch.tensor(r), torch.full((len(r),), n), BLOCK)
+        full = call(list(range(rows)))
+        for r in (0, 7, 15):
+            assert torch.equal(call([r])[0], full[r]), f"row {r}"
+            exact = attention_reference(q[r].numpy(), k_pool.float().numpy(), v_pool.float().numpy(),
+                                        tables[r].numpy(), n)
+            np.testing.assert_allclose(full[r].numpy(), exact, rtol=0, atol=2e-6 * max(1.0, np.abs(exact).max()))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hd", [64, 40])
 def test_paged_attention_16bit_pool_equals_float32_pool_of_its_values(dtype, hd):

@@ -56,8 +56,11 @@ struct RowArgs {
     void (*widen_fp8)(float*, const uint8_t*, int64_t);    // n float8 e4m3fn codes -> float32
     const int64_t* table;      // this sequence's block table
     int64_t block_size, n_kv, g, hd, first, L, heads;
+    int64_t per_kv;            // 0: the heads of KV head g; else every head of the row (g = 0), head h
+                               // reading KV head h / per_kv (16-bit and float32 pools only)
     float scale;
     float* scores;             // scratch: heads * (L - first + 8) scores, heads * hd sums, block_size * hd rows
+                               // (block_size * n_kv * hd in per_kv mode)
     float* out;                // (heads, hd)
     float* ml;                 // nullptr, or (heads, 2): each head's score maximum and sum of e^(s - max)
 };
@@ -68,7 +71,7 @@ struct F32 {
     using E = float;
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
-        stride = a.n_kv * a.hd;
+        stride = a.n_kv * a.hd;   // every KV head's rows side by side: per_kv mode reads them at head offsets
         return static_cast<const float*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * a.hd;
     }
 };
@@ -78,10 +81,12 @@ struct Half16 {                    // float16 or bfloat16 values, stored as 16-b
     using E = uint16_t;
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
-        const int64_t hd = a.hd, src_stride = a.n_kv * hd;
+        // per_kv mode: the rows of every KV head, one contiguous stretch of the block, widened
+        // in one pass (rows n_kv * hd wide); else KV head g's hd values of each row
+        const int64_t hd = a.hd, src_stride = a.n_kv * hd, width = a.per_kv ? src_stride : hd;
         const uint16_t* src = static_cast<const uint16_t*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd;
-        Widen::rows(a, buf, src, n, src_stride, hd);
-        stride = hd;
+        Widen::rows(a, buf, src, n, src_stride, width);
+        stride = width;
         return buf;
     }
 };
@@ -253,8 +258,9 @@ template <typename Fmt>
 ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b, int64_t hd) {
     if (b * a.block_size >= a.L) return;
     const char* row = static_cast<const char*>(pool.data) + (a.table[b] * a.block_size * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
-    const int64_t rows = std::min(a.block_size, a.L - b * a.block_size), bytes = hd * sizeof(typename Fmt::E);
-    for (int64_t r = 0; r < rows; r++, row += a.n_kv * bytes)
+    const int64_t rows = std::min(a.block_size, a.L - b * a.block_size), row_bytes = a.n_kv * hd * sizeof(typename Fmt::E);
+    const int64_t bytes = a.per_kv ? row_bytes : hd * sizeof(typename Fmt::E);     // read of each position
+    for (int64_t r = 0; r < rows; r++, row += row_bytes)
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
 }
 
@@ -262,7 +268,7 @@ template <int HD, typename KF, typename VF>
 ALWAYS_INLINE void attend_row(const RowArgs& a) {
     const int64_t hd = HD ? HD : a.hd, nv = hd / 8, n = a.L - a.first, ls = n + 8;
     float* acc_all = a.scores + a.heads * ls;                     // (heads, hd) running sums of e * v
-    float* buf = acc_all + a.heads * hd;                          // (block_size, hd) widened rows
+    float* buf = acc_all + a.heads * hd;                          // (block_size, hd or n_kv * hd) widened rows
     float mx[64];
     for (int64_t hh = 0; hh < a.heads; hh++) mx[hh] = -INFINITY;
     float qs[64 * 8];                                             // one head's scaled query, reused per key chunk
@@ -276,7 +282,7 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         for (int64_t hh = 0; hh < a.heads; hh++) {
             for (int64_t i = 0; i < nv; i++) store8(qs + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
             float* sc_h = a.scores + hh * ls;
-            const float* k = kb;
+            const float* k = kb + (a.per_kv ? hh / a.per_kv * hd : 0);
             int64_t pp = p0;
             for (; pp + 8 <= end; pp += 8, k += 8 * stride) {    // 8 keys at once: 8 independent sums
                 v8 s[8];
@@ -338,7 +344,7 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
             float* acc_h = acc_all + hh * hd;
             const float* sc_h = a.scores + hh * ls - a.first;
             for (int64_t i = 0; i < nv; i++) acc[i] = load8(acc_h + 8 * i);
-            const float* v = vb;
+            const float* v = vb + (a.per_kv ? hh / a.per_kv * hd : 0);
             for (int64_t pp = p; pp < end; pp++, v += stride) {
                 const v8 w = splat8(sc_h[pp]);
                 for (int64_t i = 0; i < nv; i++) acc[i] += w * load8(v + 8 * i);
@@ -621,11 +627,16 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     // CHUNK positions is split into equal chunks of at most CHUNK (flash-decoding),
     // so that one long row keeps every thread reading different keys; the chunks' partial outputs
     // are merged in chunk order. The chunks depend on the row alone, so a row's bits do not
-    // depend on what else is in the call. The heads of a KV head stay in one task unless there
-    // are too few tasks for the threads (one short decode row of a model with one or two KV
-    // heads): then they are split, each slice reading the keys and values on its own.
+    // depend on what else is in the call. With enough (row, chunk) tasks for the threads, one
+    // task takes every KV head of its chunk (a 16-bit or float32 pool with the vector kernel's
+    // head sizes): each block's positions are then one contiguous read, every KV head's values
+    // side by side, where a task per KV head read a strided part of each position (the same
+    // arithmetic per head either way, so the same bits). With fewer, a task takes one KV head,
+    // and the heads of a KV head stay in one task unless there are still too few tasks for the
+    // threads (one short decode row of a model with one or two KV heads): then they are split,
+    // each slice reading the keys and values on its own.
     struct Task { int64_t t, g, first, end, part; };      // part: the row's partial slot, -1: none
-    std::vector<Task> tasks;
+    std::vector<Task> row_tasks, tasks;                     // (row, chunk) with g = 0; (row, chunk, KV head)
     std::vector<int64_t> part_row;                          // partial slot -> its row
     for (int64_t t = 0; t < T; t++) {
         const int64_t L = lenp[t], first = window > 0 && L > window ? L - window : 0;   // first position attended
@@ -638,30 +649,38 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t part = chunks > 1 ? (int64_t)part_row.size() : -1;
             if (chunks > 1) part_row.push_back(t);
-            for (int64_t g = 0; g < n_kv; g++) tasks.push_back({t, g, first + c * size, std::min(L, first + (c + 1) * size), part});
+            row_tasks.push_back({t, 0, first + c * size, std::min(L, first + (c + 1) * size), part});
         }
     }
-    const int64_t pairs = (int64_t)tasks.size();
     int64_t work = 0;                                       // query heads x positions x head size
-    for (const Task& task : tasks) work += group * (task.end - task.first) * hd;
+    for (const Task& task : row_tasks) work += H * (task.end - task.first) * hd;
     const bool serial = work < SERIAL_WORK;                 // one thread, no head slices (same bits either way)
     const int64_t want = serial ? 1 : 2 * at::get_num_threads();
-    const int64_t slices = std::min<int64_t>(group, std::max<int64_t>(1, (want + pairs - 1) / pairs));
-    const int64_t per = (group + slices - 1) / slices;
+    const bool vector_heads = hd % 8 == 0 && hd <= 256 && H <= 64;                 // attend_fmt's vector kernel
+    const bool whole_rows = n_kv > 1 && vector_heads && (int64_t)row_tasks.size() >= want &&
+                            (type == PoolType::F32 || type == PoolType::F16 || type == PoolType::BF16);
+    if (whole_rows) tasks = row_tasks;
+    else
+        for (const Task& task : row_tasks)
+            for (int64_t g = 0; g < n_kv; g++) tasks.push_back({task.t, g, task.first, task.end, task.part});
+    const int64_t pairs = (int64_t)tasks.size();
+    const int64_t slices = whole_rows ? 1 : std::min<int64_t>(group, std::max<int64_t>(1, (want + pairs - 1) / pairs));
+    const int64_t per = whole_rows ? H : (group + slices - 1) / slices;
+    const int64_t width = whole_rows ? n_kv * hd : hd;     // widened values per position
     std::vector<float> partial(part_row.size() * H * hd), ml(part_row.size() * H * 2);
     at::parallel_for(0, pairs * slices, serial ? pairs * slices : 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> scratch;
         for (int64_t i = i0; i < i1; i++) {
             const Task& task = tasks[i / slices];
             const int64_t t = task.t, g = task.g, h0 = g * group + i % slices * per;
-            const int64_t heads = std::min(per, (g + 1) * group - h0);
+            const int64_t heads = whole_rows ? H : std::min(per, (g + 1) * group - h0);
             if (heads <= 0) continue;
-            scratch.resize(heads * (task.end - task.first + 8 + hd) + block_size * hd);
+            scratch.resize(heads * (task.end - task.first + 8 + hd) + block_size * width);
             float* dst = task.part < 0 ? op + (t * H + h0) * hd : partial.data() + (task.part * H + h0) * hd;
             float* dst_ml = task.part < 0 ? nullptr : ml.data() + (task.part * H + h0) * 2;
             const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8_scaled, chosen.widen_fp8,
                                tp + seqp[t] * max_blocks, block_size,
-                               n_kv, g, hd, task.first, task.end, heads, scale, scratch.data(), dst, dst_ml};
+                               n_kv, g, hd, task.first, task.end, heads, whole_rows ? group : 0, scale, scratch.data(), dst, dst_ml};
             chosen.attend(args, type);
         }
     });
