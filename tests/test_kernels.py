@@ -367,33 +367,69 @@ def test_paged_attention_long_rows_split_and_merged(hd):
     check_paged_against_float64(rng, hd, 2, 3, lengths, tables, (0, 700), 3e-6, alone=range(len(lengths)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_paged_attention_row_alone_equals_row_in_a_full_step(dtype):
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "int8", "fp8"])
+def test_paged_attention_row_alone_equals_row_in_a_full_step(kv_type):
     """A decode row alone (too few rows for the threads: one task per KV head, its heads maybe
     split) and the same row among 16 (one task per row over every KV head, each block read whole)
-    give the same bits, and both match float64. 300 positions, SmolLM2's heads (9 over 3 KV heads),
-    2 threads, so the lone row is above the kernel's serial threshold."""
-    rng = np.random.default_rng(11)
+    give the same bits; the full step equals float64 (16-bit and float32 pools) or, bit for bit,
+    the float32 kernel over the values the stores read (int8, fp8). 300 positions, SmolLM2's heads
+    (9 over 3 KV heads), 2 threads, so the lone row is above the kernel's serial threshold."""
+    from localrun.engine import paged_kv
+    from localrun.engine.paged_kv import PagedKVCache, WriteTarget
+    if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    g = torch.Generator().manual_seed(11)
     n_kv, group, hd, rows, n = 3, 3, 64, 16, 300
     per_seq = -(-n // BLOCK)
-    tables = torch.from_numpy(rng.permutation(rows * per_seq).reshape(rows, per_seq))
-    k_pool = torch.from_numpy(rng.standard_normal((rows * per_seq * BLOCK, n_kv, hd)).astype(np.float32)).to(dtype)
-    v_pool = torch.from_numpy(rng.standard_normal((rows * per_seq * BLOCK, n_kv, hd)).astype(np.float32)).to(dtype)
-    q = torch.from_numpy(rng.standard_normal((rows, n_kv * group, hd)).astype(np.float32))
-    k = torch.from_numpy(rng.standard_normal((rows, n_kv, hd)).astype(np.float32))
-    v = torch.from_numpy(rng.standard_normal((rows, n_kv, hd)).astype(np.float32))
+    num_blocks = rows * per_seq
+    tables = torch.randperm(num_blocks, generator=g).view(rows, per_seq)
+    if kv_type in ("f32", "f16"):
+        dtype = torch.float32 if kv_type == "f32" else torch.float16
+        k_pool = torch.randn(num_blocks * BLOCK, n_kv, hd, generator=g).to(dtype)
+        v_pool = torch.randn(num_blocks * BLOCK, n_kv, hd, generator=g).to(dtype)
+        scales = {}
+    else:
+        (k_store, v_store), = PagedKVCache(num_blocks=num_blocks, block_size=BLOCK, n_layers=1, n_head_kv=n_kv,
+                                           head_dim=hd, kv_type=kv_type, compute_dtype=torch.float32).layers
+        for b in range(num_blocks):                   # every block written whole, as a prompt would
+            target = WriteTarget(torch.arange(b * BLOCK, (b + 1) * BLOCK), torch.tensor([b]), 0)
+            k_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g) * 3)
+            v_store.write(target, torch.randn(BLOCK, n_kv, hd, generator=g))
+        k_pool, v_pool = k_store.data, v_store.data
+        scales = {"k_scale": k_store.scale, "v_scale": v_store.scale}
+    q = torch.randn(rows, n_kv * group, hd, generator=g)
+    # each row's new K/V: the values already at its slot (an int8 K block is requantized with them all the same)
     slots = tables[:, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+    if kv_type in ("f32", "f16"):
+        k, v = k_pool[slots].float(), v_pool[slots].float()
+    else:
+        everything = torch.arange(num_blocks)
+        k = k_store.read(everything, num_blocks * BLOCK, torch.float32)[slots]
+        v = v_store.read(everything, num_blocks * BLOCK, torch.float32)[slots]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        call = lambda r: torch.ops.localrun.paged_attention(q[r], k[r], v[r], k_pool, v_pool, slots[r], tables,
-                                                            torch.tensor(r), torch.full((len(r),), n), BLOCK)
-        full = call(list(range(rows)))
+        def call(r, kp=k_pool, vp=v_pool, kn=k, vn=v, **sc):   # on copies: the call writes rows and scales
+            kp, vp, sc = kp.clone(), vp.clone(), {name: t.clone() for name, t in sc.items()}
+            out = torch.ops.localrun.paged_attention(q[r], kn[r], vn[r], kp, vp, slots[r], tables, torch.tensor(r),
+                                                     torch.full((len(r),), n), BLOCK, **sc)
+            return out, kp, vp, sc
+        full, k_written, v_written, written_scales = call(list(range(rows)), **scales)
         for r in (0, 7, 15):
-            assert torch.equal(call([r])[0], full[r]), f"row {r}"
-            exact = attention_reference(q[r].numpy(), k_pool.float().numpy(), v_pool.float().numpy(),
-                                        tables[r].numpy(), n)
-            np.testing.assert_allclose(full[r].numpy(), exact, rtol=0, atol=2e-6 * max(1.0, np.abs(exact).max()))
+            assert torch.equal(call([r], **scales)[0][0], full[r]), f"row {r}"
+        if kv_type in ("f32", "f16"):
+            for r in (0, 7, 15):
+                exact = attention_reference(q[r].numpy(), k_pool.float().numpy(), v_pool.float().numpy(),
+                                            tables[r].numpy(), n)
+                np.testing.assert_allclose(full[r].numpy(), exact, rtol=0, atol=2e-6 * max(1.0, np.abs(exact).max()))
+        else:   # an int8 K block is requantized with its new row: compare over the pools as written
+            for store, data, scale in ((k_store, k_written, written_scales["k_scale"]),
+                                       (v_store, v_written, written_scales["v_scale"])):
+                store.data.copy_(data)
+                store.scale.copy_(scale)
+            kf = k_store.read(everything, num_blocks * BLOCK, torch.float32)
+            vf = v_store.read(everything, num_blocks * BLOCK, torch.float32)
+            assert torch.equal(full, call(list(range(rows)), kf, vf, kf[slots], vf[slots])[0])
     finally:
         torch.set_num_threads(threads)
 

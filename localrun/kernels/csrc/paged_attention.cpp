@@ -57,7 +57,7 @@ struct RowArgs {
     const int64_t* table;      // this sequence's block table
     int64_t block_size, n_kv, g, hd, first, L, heads;
     int64_t per_kv;            // 0: the heads of KV head g; else every head of the row (g = 0), head h
-                               // reading KV head h / per_kv (16-bit and float32 pools only)
+                               // reading KV head h / per_kv
     float scale;
     float* scores;             // scratch: heads * (L - first + 8) scores, heads * hd sums, block_size * hd rows
                                // (block_size * n_kv * hd in per_kv mode)
@@ -167,11 +167,12 @@ struct TokenScaled {               // one scale per `group` values of a token's 
     using E = typename Code::E;
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
-        const int64_t hd = a.hd, groups = hd / pool.group;
+        // per_kv mode: every KV head's values of a row at once, their scales side by side too
+        const int64_t hd = a.hd, groups = hd / pool.group, width = a.per_kv ? a.n_kv * hd : hd;
         const int64_t at = (a.table[b] * a.block_size + off) * a.n_kv + a.g;       // the first row's token and head
         Code::rows(a, buf, static_cast<const E*>(pool.data) + at * hd, pool.scale + at * groups, n,
-                   a.n_kv * hd, hd, pool.group, a.n_kv * groups);
-        stride = hd;
+                   a.n_kv * hd, width, pool.group, a.n_kv * groups);
+        stride = width;
         return buf;
     }
 };
@@ -180,11 +181,11 @@ struct ChannelScaledInt8 {         // int8 with one scale per block per channel:
     using E = int8_t;
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
-        const int64_t hd = a.hd;
+        const int64_t hd = a.hd, width = a.per_kv ? a.n_kv * hd : hd;       // per_kv: every KV head at once
         const float* sc = pool.scale + (a.table[b] * a.n_kv + a.g) * hd;     // the block's, every row
         a.widen_i8_scaled(buf, static_cast<const int8_t*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * hd,
-                          sc, n, a.n_kv * hd, hd, 1, 0);
-        stride = hd;
+                          sc, n, a.n_kv * hd, width, 1, 0);
+        stride = width;
         return buf;
     }
 };
@@ -628,8 +629,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     // so that one long row keeps every thread reading different keys; the chunks' partial outputs
     // are merged in chunk order. The chunks depend on the row alone, so a row's bits do not
     // depend on what else is in the call. With enough (row, chunk) tasks for the threads, one
-    // task takes every KV head of its chunk (a 16-bit or float32 pool with the vector kernel's
-    // head sizes): each block's positions are then one contiguous read, every KV head's values
+    // task takes every KV head of its chunk (with the vector kernel's head sizes): each block's
+    // positions are then one contiguous read (codes, and scales), every KV head's values
     // side by side, where a task per KV head read a strided part of each position (the same
     // arithmetic per head either way, so the same bits). With fewer, a task takes one KV head,
     // and the heads of a KV head stay in one task unless there are still too few tasks for the
@@ -657,8 +658,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const bool serial = work < SERIAL_WORK;                 // one thread, no head slices (same bits either way)
     const int64_t want = serial ? 1 : 2 * at::get_num_threads();
     const bool vector_heads = hd % 8 == 0 && hd <= 256 && H <= 64;                 // attend_fmt's vector kernel
-    const bool whole_rows = n_kv > 1 && vector_heads && (int64_t)row_tasks.size() >= want &&
-                            (type == PoolType::F32 || type == PoolType::F16 || type == PoolType::BF16);
+    const bool whole_rows = n_kv > 1 && vector_heads && (int64_t)row_tasks.size() >= want;
     if (whole_rows) tasks = row_tasks;
     else
         for (const Task& task : row_tasks)
