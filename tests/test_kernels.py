@@ -631,3 +631,29 @@ def test_topk_kernel_equals_torch_topk_ties_lowest_index_first():
         y[at] = float("nan")
         got, want = kernels.topk(y, 10), torch.topk(y, 10)
         assert torch.equal(got[1], want.indices) and torch.allclose(got[0], want.values, equal_nan=True)
+
+
+def test_library_is_keyed_by_its_sources(tmp_path):
+    """Another version of the sources (benchmarks/kernel_ab.py) gets its own library: a copy of
+    csrc/ keys the same as csrc/, one changed byte a different key."""
+    import shutil
+
+    from localrun.kernels.build import CSRC, library_path
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)
+    assert library_path(copy) == library_path()
+    (copy / "ops.cpp").write_bytes((copy / "ops.cpp").read_bytes() + b"\n")
+    assert library_path(copy) != library_path() and library_path(copy).name == library_path().name
+
+
+def test_a_library_named_by_the_environment_is_loaded_instead(tmp_path):
+    """LOCALRUN_KERNEL_LIBRARY loads that file rather than building; one that is not a library
+    leaves the kernels off with one line saying why, not a traceback."""
+    env = {**os.environ, "LOCALRUN_KERNEL_LIBRARY": str(tmp_path / "missing.so")}
+    out = subprocess.run([sys.executable, "-c", "from localrun import kernels; print(kernels.available())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False" and "missing.so" in out.stderr and "Traceback" not in out.stderr
+    env["LOCALRUN_KERNEL_LIBRARY"] = str(kernels.build())
+    out = subprocess.run([sys.executable, "-c", "from localrun import kernels; print(kernels.available(), kernels.isa())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[0] == "True", out.stderr

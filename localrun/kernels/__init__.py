@@ -12,7 +12,8 @@
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
 The library is compiled by set-up (`python -m localrun.kernels.build`); if it is missing it is
 compiled on first use. LOCALRUN_NO_KERNELS=1 turns the kernels off (torch's path runs, with a
-warning), LOCALRUN_ISA=avx512|avx2|ref forces an instruction set.
+warning), LOCALRUN_ISA=avx512|avx2|ref forces an instruction set, and LOCALRUN_KERNEL_LIBRARY=path
+loads that library instead (another build of the kernels: benchmarks/kernel_ab.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def available() -> bool:
         print("localrun: LOCALRUN_NO_KERNELS=1: running without the compiled kernels (slower)", file=sys.stderr)
         return False
     try:
-        torch.ops.load_library(str(build(quiet=True)))
+        torch.ops.load_library(os.environ.get("LOCALRUN_KERNEL_LIBRARY") or str(build(quiet=True)))
         torch.ops.localrun.isa()                      # LOCALRUN_ISA is checked here
     except (BuildError, OSError, RuntimeError) as e:
         print(f"localrun: the compiled kernels are unavailable ({e}); running without them (slower)",

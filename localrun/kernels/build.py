@@ -41,28 +41,29 @@ def _compiler() -> str:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "g++"
 
 
-def _key() -> str:
+def _key(csrc: Path = CSRC) -> str:
     import torch
     h = hashlib.sha256()
-    for path in sorted(CSRC.iterdir()):
+    for path in sorted(csrc.iterdir()):
         h.update(path.name.encode() + path.read_bytes())
     h.update(f"{torch.__version__} {_compiler()} {sys.version_info[:2]} {COMMON_FLAGS}".encode())
     return h.hexdigest()[:16]
 
 
-def library_path() -> Path:
+def library_path(csrc: Path = CSRC) -> Path:
     """Beside the sources where that folder is writable (an editable install), else under
-    $LOCALRUN_HOME/kernels/; keyed by sources, torch and compiler."""
+    $LOCALRUN_HOME/kernels/; keyed by sources, torch and compiler. csrc: another version of the
+    sources (benchmarks/kernel_ab.py builds two side by side)."""
     local = CSRC.parent / "_build"
     if os.access(CSRC.parent, os.W_OK):
-        return local / _key() / "liblocalrun_kernels.so"
+        return local / _key(csrc) / "liblocalrun_kernels.so"
     home = Path(os.environ.get("LOCALRUN_HOME", Path.home() / ".cache" / "localrun"))
-    return home / "kernels" / _key() / "liblocalrun_kernels.so"
+    return home / "kernels" / _key(csrc) / "liblocalrun_kernels.so"
 
 
-def build(quiet: bool = False) -> Path:
+def build(quiet: bool = False, csrc: Path = CSRC) -> Path:
     """Compile the library if it is not there yet; BuildError with the compiler's message if not."""
-    target = library_path()
+    target = library_path(csrc)
     if target.exists():
         return target
     if not X86:
@@ -79,7 +80,7 @@ def build(quiet: bool = False) -> Path:
             if not quiet:
                 print(f"[kernels] compiling {name}", file=sys.stderr)
             _run([_compiler(), *COMMON_FLAGS, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
-                  "-c", str(CSRC / name), "-o", str(obj)])
+                  "-c", str(csrc / name), "-o", str(obj)])
             return str(obj)
 
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:     # one compiler per core
