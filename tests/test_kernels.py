@@ -96,6 +96,9 @@ def test_float_activation_matmul_equals_float64_reference(qtype):
     for m in (0, 7, 16):
         one = kernels.qmatmul_f32(torch.from_numpy(x[m:m + 1]), [torch.from_numpy(raw)], [int(qtype)]).numpy()
         assert np.array_equal(one[0], y[m])
+    for rows in (4, 5):               # either side of AVX2's switch from groups to dequantized tiles
+        some = kernels.qmatmul_f32(torch.from_numpy(x[:rows]), [torch.from_numpy(raw)], [int(qtype)]).numpy()
+        assert np.array_equal(some, y[:rows])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

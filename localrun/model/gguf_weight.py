@@ -5,8 +5,9 @@ memory grows only by the pages a forward touches, and processes share the page c
 - Decode rows (the first `decode_rows` rows of a call, which the model runner names) always go
   through the integer kernel, which computes every row on its own: a sequence's decode and
   verify rows give bit-identical results whatever else shares the step.
-- Prompt rows keep float32 activations: below PROMPT_GEMM_MIN_ROWS rows the kernel dequantizes
-  each weight group in registers (qmatmul_f32); from there on the weight is dequantized to
+- Prompt rows keep float32 activations: below PROMPT_GEMM_MIN_ROWS rows the kernel multiplies
+  them by the dequantized weight, a few weight rows (AVX2, from 5 rows) or groups at a time
+  (qmatmul_f32); from there on the weight is dequantized to
   float32 a tile of rows at a time (PROMPT_TILE_BYTES) and multiplied by torch's GEMM into its
   columns of the output, several times faster there (docs/kernels.md). The tile stays in cache
   and its buffer is reused from the heap: a whole weight dequantized at once (7-32 MB) came from
