@@ -520,3 +520,27 @@ def test_step_log_writes_one_line_per_step_with_its_entries(model, tmp_path, mon
     assert [r["entries"] for r in rows] == [[["r0", 0, 4, 9]], [["r0", 4, 4, 9]], [["r0", 8, 1, 9]],
                                             [["r0", 9, 1, 9]], [["r0", 10, 1, 9]]]
     assert all(r["execute_s"] > 0 and r["waiting"] == 0 and r["running"] == 1 for r in rows)
+
+
+def test_an_itl_target_times_its_step_sizes_before_serving(model):
+    """set_itl_target times the decode step sizes up to max_num_seqs and the prompt prior at
+    once, so that no scratch forward runs between the steps of requests being served (each new
+    largest decode count once stalled the engine for one); the scratch forwards are counted."""
+    engine = make_engine(model, max_num_seqs=6, max_num_batched_tokens=64)
+    engine.set_itl_target(0.5)
+    cost = engine.step_cost
+    calls = []
+    for name in ("measure_prompt",):
+        inner = getattr(cost, name)
+        setattr(cost, name, lambda n, inner=inner: calls.append(("prompt", n)) or inner(n))
+    inner_decode = cost.decode.measure
+    cost.decode.measure = lambda n: calls.append(("decode", n)) or inner_decode(n)
+    assert {1, 2, 4, 6} <= set(cost.decode.scratch) and cost._prior is not None
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = [random_ids(n, seed=90 + n) for n in (9, 20, 4, 31, 12, 7)]
+    for i, prompt in enumerate(prompts):           # requests join one by one: 1, 2, ... 6 decodes
+        engine.add_request(str(i), prompt, params)
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert calls == []

@@ -178,6 +178,7 @@ class LLMEngine:
             model = self.model
             self.step_cost = MixedStepCost(lambda n: measure_forward_seconds(model, n, rowwise=True),
                                            lambda n: measure_forward_seconds(model, n))
+            self.step_cost.warm_up(self.scheduler.config.max_num_seqs)     # not in the serving path
         self.scheduler.config = config
         self.scheduler.step_cost = self.step_cost.cost if seconds is not None else None
 
