@@ -388,9 +388,13 @@ inline void attend_scalar(const RowArgs& a) {
     }
 }
 
+// Whether the vector kernel (attend_row) takes this head size and number of heads; the plain
+// loops (attend_scalar) read one KV head per task only, so the whole-row tasks need this too.
+inline bool vector_kernel_takes(int64_t hd, int64_t heads) { return hd % 8 == 0 && hd <= 256 && heads <= 64; }
+
 template <typename KF, typename VF>
 ALWAYS_INLINE void attend_fmt(const RowArgs& a) {
-    if (a.hd % 8 || a.hd > 256 || a.heads > 64) { attend_scalar<KF, VF>(a); return; }
+    if (!vector_kernel_takes(a.hd, a.heads)) { attend_scalar<KF, VF>(a); return; }
     switch (a.hd) {
         case 64: attend_row<64, KF, VF>(a); return;
         case 128: attend_row<128, KF, VF>(a); return;
@@ -657,8 +661,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     for (const Task& task : row_tasks) work += H * (task.end - task.first) * hd;
     const bool serial = work < SERIAL_WORK;                 // one thread, no head slices (same bits either way)
     const int64_t want = serial ? 1 : 2 * at::get_num_threads();
-    const bool vector_heads = hd % 8 == 0 && hd <= 256 && H <= 64;                 // attend_fmt's vector kernel
-    const bool whole_rows = n_kv > 1 && vector_heads && (int64_t)row_tasks.size() >= want;
+    const bool whole_rows = n_kv > 1 && vector_kernel_takes(hd, H) && (int64_t)row_tasks.size() >= want;
     if (whole_rows) tasks = row_tasks;
     else
         for (const Task& task : row_tasks)
