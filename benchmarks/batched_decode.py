@@ -24,14 +24,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import CORPUS  # noqa: E402
 
 
-def prompts(llm, n: int, length: int) -> list[list[int]]:
+def prompts(llm, n: int, length: int, shared: int = 0) -> list[list[int]]:
+    """n prompts of `length` tokens: distinct windows of the text after a first `shared`
+    tokens that all of them have (a common system prompt)."""
     ids = llm.tokenize(CORPUS, add_special=False)
-    while len(ids) < n * length + 1:
+    own = length - shared
+    while len(ids) < shared + n * own + 1:
         ids += ids
-    return [ids[i * length:(i + 1) * length] for i in range(n)]   # distinct windows of the text
+    return [ids[:shared] + ids[shared + i * own:shared + (i + 1) * own] for i in range(n)]
 
 
-def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None = None) -> float:
+def start(engine, batch: list[list[int]], params, shared: int = 0) -> list:
+    """Add the batch's requests and step until each has its first token. With a shared prefix,
+    the first request is prefilled alone, so that the others find the prefix's blocks cached and
+    every sequence reads the same ones (as a server's requests do once the prefix is cached)."""
+    seqs = []
+    if shared:
+        seqs.append(engine.add_request("0", batch[0], params))
+        while not seqs[0].generated_token_ids:
+            engine.step()
+    seqs += [engine.add_request(str(i), p, params) for i, p in enumerate(batch) if i >= len(seqs)]
+    while any(not s.generated_token_ids for s in seqs):       # every prompt prefilled
+        engine.step()
+    return seqs
+
+
+def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None = None, shared: int = 0) -> float:
     """Tokens generated per second over `steps` engine steps once every prompt is prefilled.
     The sequences may decode while later prompts are still being prefilled, so each gets a
     generous max_tokens (they must all still run in the timed steps: checked) and the tokens
@@ -40,11 +58,9 @@ def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None 
     from localrun.sampling import SamplingParams
     slack = 512
     engine = LLMEngine(llm.model, max_model_len=len(batch[0]) + steps + slack, max_num_seqs=len(batch),
-                       max_num_batched_tokens=2048, enable_prefix_caching=False, kv_type=kv_type)
+                       max_num_batched_tokens=2048, enable_prefix_caching=shared > 0, kv_type=kv_type)
     params = SamplingParams(max_tokens=steps + slack, temperature=0, ignore_eos=True)
-    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch)]
-    while any(not s.generated_token_ids for s in seqs):       # every prompt prefilled
-        engine.step()
+    seqs = start(engine, batch, params, shared)
     before = sum(len(s.generated_token_ids) for s in seqs)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -178,6 +194,8 @@ def main():
     ap.add_argument("--sizes", default="1,2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kv-type", default=None, help="localrun's KV type (default: the engine's)")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="the first N tokens of --context are the same in every prompt (localrun caches them once)")
     ap.add_argument("--parallel", type=int, default=None,
                     help="the n_parallel localrun's model is built for (default: the largest size); it "
                          "picks the kernel layout of decode rows (gguf_weight.use_lanes), as serve --parallel does")
@@ -203,14 +221,15 @@ def main():
     if args.compare_layouts:
         return layouts_report(llm, path, sizes, args)
     peer = LlamaCppBatch(path, max(sizes), args.context + args.steps + 8, args.threads)
-    work = prompts(llm, max(sizes), args.context)
+    work = prompts(llm, max(sizes), args.context, args.shared_prefix)
     bench_localrun(llm, work[:2], 2)                           # warm-up both
     peer.run(work[:2], 2)
     best = {"localrun": {}, "llama.cpp": {}}
     for _ in range(args.repeats):
         for s in sizes:
             best["llama.cpp"][s] = max(best["llama.cpp"].get(s, 0), peer.run(work[:s], args.steps))
-            best["localrun"][s] = max(best["localrun"].get(s, 0), bench_localrun(llm, work[:s], args.steps, args.kv_type))
+            best["localrun"][s] = max(best["localrun"].get(s, 0), bench_localrun(llm, work[:s], args.steps, args.kv_type,
+                                                                                 args.shared_prefix))
     peer.close()
 
     print(f"model {path.name}, {args.threads} threads, context {args.context}, {args.steps} decode steps, "
@@ -220,7 +239,7 @@ def main():
     print("|---|---|---|---|---|")
     result = {"benchmark": "batched_decode", "cpu": cpu_info(), "model": path.name, "threads": args.threads,
               "context": args.context, "steps": args.steps, "kernels": kernels.isa(), "layout": layout,
-              "parallel": parallel, "kv_type": args.kv_type or "default"}
+              "parallel": parallel, "kv_type": args.kv_type or "default", "shared_prefix": args.shared_prefix}
     for s in sizes:
         ours, theirs = best["localrun"][s], best["llama.cpp"][s]
         print(f"| {s} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {ours / best['localrun'][1]:.2f}x |")

@@ -52,7 +52,7 @@ def child(args) -> None:
 
     import torch
 
-    from batched_decode import prompts
+    from batched_decode import prompts, start
     from localrun import LLM
     from localrun.engine.llm_engine import LLMEngine
     from localrun.models import resolve_model
@@ -62,15 +62,13 @@ def child(args) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     llm = LLM(resolve_model(args.model), n_ctx=args.context + args.steps + 64, n_threads=args.threads,
               n_parallel=max(sizes))
-    work = prompts(llm, max(sizes), args.context)
+    work = prompts(llm, max(sizes), args.context, args.shared_prefix)
     result = {}
     for s in sizes:
         engine = LLMEngine(llm.model, max_model_len=args.context + args.steps + 64, max_num_seqs=s,
-                           max_num_batched_tokens=2048, enable_prefix_caching=False)
+                           max_num_batched_tokens=2048, enable_prefix_caching=args.shared_prefix > 0)
         params = SamplingParams(max_tokens=args.steps + 32, temperature=0, ignore_eos=True)
-        seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(work[:s])]
-        while any(not q.generated_token_ids for q in seqs):
-            engine.step()
+        start(engine, work[:s], params, args.shared_prefix)
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -90,6 +88,8 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--sizes", default="1,16")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="the first N tokens of --context are the same in every prompt, cached once")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -110,7 +110,7 @@ def main():
                 raise SystemExit(f"kernel_ab: the kernels at {rev} did not compile: {e}")
     runs = {"a": [], "b": []}
     forward = ["--model", args.model, "--threads", str(args.threads), "--context", str(args.context),
-               "--steps", str(args.steps), "--sizes", args.sizes]
+               "--steps", str(args.steps), "--sizes", args.sizes, "--shared-prefix", str(args.shared_prefix)]
     for r in range(args.rounds):
         for side in ("a", "b"):
             env = {**os.environ, "LOCALRUN_KERNEL_LIBRARY": str(libraries[side])}
@@ -122,12 +122,14 @@ def main():
             runs[side].append(step)
             print(f"round {r + 1} {side}: " + ", ".join(f"{s} seq {step[s]:.1f} ms" for s in sizes), file=sys.stderr)
 
-    print(f"kernels a = {args.a}, b = {args.b}; {args.model}, {args.threads} threads, context {args.context}, "
+    print(f"kernels a = {args.a}, b = {args.b}; {args.model}, {args.threads} threads, context {args.context} "
+          f"(shared prefix {args.shared_prefix}), "
           f"median of {args.steps} decode steps per process, {args.rounds} alternated rounds")
     print("| sequences | a: median step (ms) | a: range | b: median step (ms) | b: range | b / a |")
     print("|---|---|---|---|---|---|")
     result = {"benchmark": "kernel_ab", "cpu": cpu_info(), "a": args.a, "b": args.b, "model": args.model,
-              "threads": args.threads, "context": args.context, "steps": args.steps, "rounds": args.rounds}
+              "threads": args.threads, "context": args.context, "shared_prefix": args.shared_prefix, "steps": args.steps,
+              "rounds": args.rounds}
     for s in sizes:
         a = [run[s] for run in runs["a"]]
         b = [run[s] for run in runs["b"]]

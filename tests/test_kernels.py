@@ -370,6 +370,24 @@ def test_paged_attention_long_rows_split_and_merged(hd):
     check_paged_against_float64(rng, hd, 2, 3, lengths, tables, (0, 700), 3e-6, alone=range(len(lengths)))
 
 
+@pytest.mark.parametrize("hd, n_kv, group", [(64, 3, 3), (128, 2, 4), (256, 1, 4)])
+def test_paged_attention_rows_on_a_shared_prefix_equal_each_row_alone(hd, n_kv, group):
+    """Rows whose block tables share blocks (15 sequences on one cached 640-token prefix; three
+    of them verify rows of one sequence, the same table to the end), cut in chunks: each row
+    equals float64 and is the same bits alone, with and without a window, on 2 threads."""
+    rng = np.random.default_rng(hd + 2)
+    lengths = [700 + 13 * i for i in range(12)] + [900, 901, 902]
+    tables = rng.permutation(60 * len(lengths)).reshape(len(lengths), 60)
+    tables[1:, :40] = tables[0, :40]
+    tables[13:] = tables[12]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_paged_against_float64(rng, hd, n_kv, group, lengths, tables, (0, 300), 3e-6, alone=(0, 5, 11, 12, 14))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "int8", "fp8"])
 def test_paged_attention_row_alone_equals_row_in_a_full_step(kv_type):
     """A decode row alone (too few rows for the threads: one task per KV head, its heads maybe
