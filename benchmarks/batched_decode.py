@@ -203,6 +203,8 @@ def main():
                     help="instead: the integer kernel's rows and lanes layouts, alternating step by step in one "
                          "engine, step time per size (no llama.cpp)")
     args = ap.parse_args()
+    if not 0 <= args.shared_prefix < args.context:
+        ap.error(f"--shared-prefix must be at least 0 and below --context ({args.context}), got {args.shared_prefix}")
 
     import torch
 

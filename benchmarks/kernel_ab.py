@@ -92,6 +92,8 @@ def main():
                     help="the first N tokens of --context are the same in every prompt, cached once")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not 0 <= args.shared_prefix < args.context:
+        ap.error(f"--shared-prefix must be at least 0 and below --context ({args.context}), got {args.shared_prefix}")
     if args.child:
         return child(args)
     if args.rounds < 1 or args.steps < 1:
