@@ -38,12 +38,11 @@ def start(engine, batch: list[list[int]], params, shared: int = 0) -> list:
     """Add the batch's requests and step until each has its first token. With a shared prefix,
     the first request is prefilled alone, so that the others find the prefix's blocks cached and
     every sequence reads the same ones (as a server's requests do once the prefix is cached)."""
-    seqs = []
-    if shared:
-        seqs.append(engine.add_request("0", batch[0], params))
-        while not seqs[0].generated_token_ids:
-            engine.step()
-    seqs += [engine.add_request(str(i), p, params) for i, p in enumerate(batch) if i >= len(seqs)]
+    alone = 1 if shared else 0
+    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(batch[:alone])]
+    while seqs and not seqs[0].generated_token_ids:
+        engine.step()
+    seqs += [engine.add_request(str(i), p, params) for i, p in enumerate(batch[alone:], start=alone)]
     while any(not s.generated_token_ids for s in seqs):       # every prompt prefilled
         engine.step()
     return seqs
