@@ -15,7 +15,7 @@ import torch
 from localrun.engine.llm_engine import LLMEngine
 from localrun.engine_config import EngineConfig
 from localrun.errors import UserError
-from localrun.gguf_file import open_gguf
+from localrun.gguf_file import GGUFModelFile, open_gguf
 from localrun.executor import build_model, use_quantized
 from localrun.frontend import FrontEnd, choice_params
 from localrun.model.llama import Transformer
@@ -61,15 +61,17 @@ class LLM:
     >>> llm.generate("The capital of France is", max_tokens=8, temperature=0).text
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, config: EngineConfig | None = None, **options):
-        """model: a .gguf path or a catalog name (default: smollm2-135m). The options are
+    def __init__(self, model: str | os.PathLike | GGUFModelFile | None = None, config: EngineConfig | None = None,
+                 **options):
+        """model: a .gguf path, a catalog name (default: smollm2-135m), or a header already read
+        and checked (gguf_file.open_gguf). The options are
         EngineConfig's fields (localrun/engine_config.py says what each does), given as an
         EngineConfig, as keywords (LLM(path, n_ctx=2048, n_parallel=8)), or both (the keywords
         win); all are checked before the model loads."""
         config = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
         self.engine_config = config
-        self.model_path = resolve_model(model)
-        self.file = open_gguf(self.model_path)
+        self.file = model if isinstance(model, GGUFModelFile) else open_gguf(resolve_model(model))
+        self.model_path = self.file.path
         self.config = self.file.config
         self.n_threads = config.n_threads or default_threads()
         torch.set_num_threads(self.n_threads)

@@ -69,6 +69,28 @@ def test_bad_model_files(bad_files, name, fragment):
     assert_user_error(run_cli("generate", str(bad_files / name), "-p", "hi"), fragment)
 
 
+BEFORE_TORCH = """
+import sys
+from localrun.cli.main import main
+sys.argv = ["localrun", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("name", ["missing.gguf", "text.gguf", "arch.gguf"])
+def test_a_bad_model_is_refused_before_torch_loads(bad_files, command, name):
+    """The model's name and header are checked before the engine (and torch, ~3 s) is imported,
+    so a typo in a path gets its sentence at once."""
+    args = [command, str(bad_files / name)] + (["-p", "hi"] if command == "generate" else [])
+    proc = subprocess.run([sys.executable, "-c", BEFORE_TORCH, *args], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("name,fragment", [
     ("array-count", "'tokenizer.ggml.tokens' claims 18,446,744,073,709,551,615 items, more than the"),
     ("string-length", "the header ends early: the value of 'general.name' runs past the end of the file"),

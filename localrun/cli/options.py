@@ -98,8 +98,11 @@ def load_llm(model: str | None, config: EngineConfig, *, max_batched_tokens: int
     that neither -t nor a profile set follow layerplan's advice: the physical cores less those
     other work keeps busy (oversubscription collapses decode on a small machine)."""
     from layerplan.threads import advise_threads
-    from localrun.api import LLM
+    from localrun.gguf_file import open_gguf
+    from localrun.models import resolve_model
     from localrun.tune import apply_profile
+    file = open_gguf(resolve_model(model))     # a wrong name or a bad header: one sentence before torch loads (~3 s)
+    from localrun.api import LLM
     asked = {"n_gpu_layers": config.n_gpu_layers, "max_num_batched_tokens": max_batched_tokens}
     threads, tuned, used_profile = apply_profile(model, config.n_threads, asked)
     advice = None
@@ -110,7 +113,7 @@ def load_llm(model: str | None, config: EngineConfig, *, max_batched_tokens: int
     config = dataclasses.replace(config, n_threads=threads, n_gpu_layers=tuned.get("n_gpu_layers", "auto"),
                                  max_num_batched_tokens=batched)
     with err.status("loading model..."):
-        llm = LLM(model, config)
+        llm = LLM(file, config)
         llm.engine
     err.print(f"[dim]{llm.plan_summary}{' · tuned profile' if used_profile else ''}[/dim]")
     if llm.context_warning:

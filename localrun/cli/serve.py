@@ -86,11 +86,6 @@ def serve(model: Optional[str] = ModelArg,
                                                          "loopback ones (DNS-rebinding guard); repeatable; '*' any."),
           log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error.")):
     """Serve the OpenAI API (chat, completions, models), /health and /metrics, batching all requests."""
-    import uvicorn
-
-    from localrun.server.app import ServerConfig, create_app
-    from localrun.server.timeouts import uvicorn_options
-
     if not 0 < port < 65536:
         raise UserError(f"--port must be between 1 and 65535, got {port}")
     if itl_target_ms < 0:
@@ -117,7 +112,11 @@ def serve(model: Optional[str] = ModelArg,
     llm = load_llm(model, config, max_batched_tokens=max_batched_tokens, default_batched_tokens=DEFAULT_BATCHED_TOKENS)
     if itl_target_ms:
         llm.engine.set_itl_target(itl_target_ms / 1000)
+    import uvicorn    # the server after the model: a bad model name is refused before torch loads
+
     from localrun.models import DEFAULT_MODEL
+    from localrun.server.app import ServerConfig, create_app
+    from localrun.server.timeouts import uvicorn_options
     given = model or DEFAULT_MODEL
     name = alias or (given if not given.endswith(".gguf") else llm.model_path.stem)
     aliases = frozenset({llm.model_path.name, llm.model_path.stem, str(llm.model_path)} - {name})

@@ -13,10 +13,11 @@
 //   sliding-window layer): only the last `window` of those positions, p >= row_len[t] - window;
 //   the block table's entries before them are never read. Grouped-query: head h
 //   reads KV head h / (H / n_kv). Scale 1/sqrt(hd), softmax in float32 with the maximum removed.
-// A 16-bit or quantized pool is read a block at a time: the block's rows of one KV head are
-// widened to float32 into an L1 scratch once (code x scale for a quantized one), then every query
-// head of the group uses them as if the pool were float32 (so the arithmetic is the float32
-// kernel's, on exactly the values the pool's store would read). A row over CHUNK positions is
+// A float16 pool is read in place, each row widened (exactly) as it is multiplied; a bfloat16 or
+// quantized pool is read a block at a time, its rows widened to float32 into an L1 scratch once
+// (code x scale for a quantized one). Either way each key and value row is read once for the
+// query heads that share its KV head, on exactly the values the pool's store would read; the
+// AVX2 and AVX-512 builds multiply-add with FMA. A row over CHUNK positions is
 // split into chunks over the threads and merged in chunk order.
 // No gather, no Python loop over sequences; every row is computed on its own, so a verify row
 // equals the decode step it stands for, bit for bit. The reference is torch's SDPA over the
@@ -60,7 +61,7 @@ struct RowArgs {
                                // reading KV head h / per_kv
     float scale;
     float* scores;             // scratch: heads * (L - first + 8) scores, heads * hd sums, block_size * hd rows
-                               // (block_size * n_kv * hd in per_kv mode)
+                               // (block_size * n_kv * hd in per_kv mode), heads * hd scaled queries
     float* out;                // (heads, hd)
     float* ml;                 // nullptr, or (heads, 2): each head's score maximum and sum of e^(s - max)
 };
@@ -265,46 +266,212 @@ ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b,
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
 }
 
-template <int HD, typename KF, typename VF>
+// In the vector kernel a float16 pool is read in place, each row widened as it is multiplied
+// (vcvtph2ps from memory); the other formats give float32 rows: the pool's own (float32), or
+// rows widened into the scratch a block at a time (bfloat16, int8, fp8).
+template <typename Fmt>
+struct Src {
+    ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
+                                           float* buf, int64_t& stride) {
+        return Fmt::rows(a, pool, b, off, n, buf, stride);
+    }
+};
+template <>
+struct Src<F16> {
+    ALWAYS_INLINE static const uint16_t* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t,
+                                              float*, int64_t& stride) {
+        stride = a.n_kv * a.hd;
+        return static_cast<const uint16_t*>(pool.data) + ((a.table[b] * a.block_size + off) * a.n_kv + a.g) * a.hd;
+    }
+};
+
+// Two builds of the inner loops below, with one order of operations per head:
+//   *_base: GCC vector types (the baseline build), a product then a sum, float16 widened by bit
+//     arithmetic (half8);
+//   *_fast: the same loops in AVX2 + FMA + F16C intrinsics (the AVX2 and AVX-512 entry points),
+//     products fused into their sums, float16 widened by vcvtph2ps straight from the pool.
+// The fast ones are real calls, one per block and group of heads: GCC will not inline a function
+// with a target attribute into the ISA-neutral templates that call it.
+ALWAYS_INLINE v8 get8_base(const float* p) { return load8(p); }
+ALWAYS_INLINE v8 get8_base(const uint16_t* p) { return half8(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 get8_fast(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 get8_fast(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Scores of G query heads that share a KV head (qs: their scaled queries, hd apart) against n
+// keys (rows `stride` apart): sc[h][j] = q_h . k_j, mx[h] their running maximum. Each key row is
+// read once for the G heads (grouped-query attention), 4 keys x G heads of sums at a time; every
+// head's sums are the same operations in the same order whatever G is, so a head's bits are its own.
+template <int G, int HD, typename R>
+ALWAYS_INLINE void scores_base(const float* qs, const R* k, int64_t stride, int64_t hd_rt, int64_t n,
+                               float* const* sc, float* mx) {
+    const int64_t hd = HD ? HD : hd_rt, nv = hd / 8;
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n; j0 += 8, k += 8 * stride) {            // 8 keys: 8 sums per head, one tree
+        v8 s[G][8];
+        for (int half = 0; half < 2; half++) {
+            const R* kk = k + half * 4 * stride;
+            v8 acc[G][4];
+            for (int j = 0; j < 4; j++) {
+                const v8 kv = get8_base(kk + j * stride);
+                for (int h = 0; h < G; h++) acc[h][j] = load8(qs + h * hd) * kv;
+            }
+            for (int64_t i = 1; i < nv; i++)
+                for (int j = 0; j < 4; j++) {
+                    const v8 kv = get8_base(kk + j * stride + 8 * i);
+                    for (int h = 0; h < G; h++) acc[h][j] += load8(qs + h * hd + 8 * i) * kv;
+                }
+            for (int h = 0; h < G; h++)
+                for (int j = 0; j < 4; j++) s[h][half * 4 + j] = acc[h][j];
+        }
+        for (int h = 0; h < G; h++) {
+            const v8 t = transpose_sum8(s[h]);
+            store8(sc[h] + j0, t);
+            mx[h] = std::max(mx[h], max8(t));
+        }
+    }
+    for (; j0 < n; j0++, k += stride)                          // the block's last keys, one at a time
+        for (int h = 0; h < G; h++) {
+            const float* qh = qs + h * hd;
+            v8 s0 = splat8(0.f), s1 = splat8(0.f);
+            int64_t i = 0;
+            for (; i + 2 <= nv; i += 2) {
+                s0 += load8(qh + 8 * i) * get8_base(k + 8 * i);
+                s1 += load8(qh + 8 * i + 8) * get8_base(k + 8 * i + 8);
+            }
+            if (i < nv) s0 += load8(qh + 8 * i) * get8_base(k + 8 * i);
+            const float t = hsum8(s0 + s1);
+            sc[h][j0] = t;
+            mx[h] = std::max(mx[h], t);
+        }
+}
+
+template <int G, int HD, typename R>
+__attribute__((target("avx2,fma,f16c"), noinline)) void scores_fast(const float* qs, const R* k, int64_t stride,
+                                                                    int64_t hd_rt, int64_t n, float* const* sc, float* mx) {
+    const int64_t hd = HD ? HD : hd_rt, nv = hd / 8;
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n; j0 += 8, k += 8 * stride) {
+        v8 s[G][8];
+        for (int half = 0; half < 2; half++) {
+            const R* kk = k + half * 4 * stride;
+            __m256 acc[G][4];
+            for (int j = 0; j < 4; j++) {
+                const __m256 kv = get8_fast(kk + j * stride);
+                for (int h = 0; h < G; h++) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(qs + h * hd), kv);
+            }
+            for (int64_t i = 1; i < nv; i++)
+                for (int j = 0; j < 4; j++) {
+                    const __m256 kv = get8_fast(kk + j * stride + 8 * i);
+                    for (int h = 0; h < G; h++) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + 8 * i), kv, acc[h][j]);
+                }
+            for (int h = 0; h < G; h++)
+                for (int j = 0; j < 4; j++) s[h][half * 4 + j] = (v8)acc[h][j];
+        }
+        for (int h = 0; h < G; h++) {
+            const v8 t = transpose_sum8(s[h]);
+            store8(sc[h] + j0, t);
+            mx[h] = std::max(mx[h], max8(t));
+        }
+    }
+    for (; j0 < n; j0++, k += stride)
+        for (int h = 0; h < G; h++) {
+            const float* qh = qs + h * hd;
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 2 <= nv; i += 2) {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_fast(k + 8 * i), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i + 8), get8_fast(k + 8 * i + 8), s1);
+            }
+            if (i < nv) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_fast(k + 8 * i), s0);
+            const float t = hsum8((v8)_mm256_add_ps(s0, s1));
+            sc[h][j0] = t;
+            mx[h] = std::max(mx[h], t);
+        }
+}
+
+// acc[h] (C chunks of 8 of head h's running sums) += sum_j w[h][j] v_j over n value rows
+// (`stride` apart, each at the same C chunks): each row read once for the G heads.
+template <int G, int C, typename R>
+ALWAYS_INLINE void values_base(const float* const* w, const R* v, int64_t stride, int64_t n, float* const* acc) {
+    v8 sum[G][C];
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) sum[h][c] = load8(acc[h] + 8 * c);
+    for (int64_t j = 0; j < n; j++, v += stride) {
+        v8 wj[G];
+        for (int h = 0; h < G; h++) wj[h] = splat8(w[h][j]);
+        for (int c = 0; c < C; c++) {
+            const v8 x = get8_base(v + 8 * c);
+            for (int h = 0; h < G; h++) sum[h][c] += wj[h] * x;
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) store8(acc[h] + 8 * c, sum[h][c]);
+}
+
+template <int G, int C, typename R>
+__attribute__((target("avx2,fma,f16c"), noinline)) void values_fast(const float* const* w, const R* v, int64_t stride,
+                                                                    int64_t n, float* const* acc) {
+    __m256 sum[G][C];
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) sum[h][c] = _mm256_loadu_ps(acc[h] + 8 * c);
+    for (int64_t j = 0; j < n; j++, v += stride) {
+        __m256 wj[G];
+        for (int h = 0; h < G; h++) wj[h] = _mm256_broadcast_ss(w[h] + j);
+        for (int c = 0; c < C; c++) {
+            const __m256 x = get8_fast(v + 8 * c);
+            for (int h = 0; h < G; h++) sum[h][c] = _mm256_fmadd_ps(wj[h], x, sum[h][c]);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) _mm256_storeu_ps(acc[h] + 8 * c, sum[h][c]);
+}
+
+template <int G, int HD, bool FAST, typename R>
+ALWAYS_INLINE void scores_block(const float* qs, const R* k, int64_t stride, int64_t hd, int64_t n, float* const* sc,
+                                float* mx) {
+    if constexpr (FAST) scores_fast<G, HD>(qs, k, stride, hd, n, sc, mx);
+    else scores_base<G, HD>(qs, k, stride, hd, n, sc, mx);
+}
+template <int G, int C, bool FAST, typename R>
+ALWAYS_INLINE void values_block(const float* const* w, const R* v, int64_t stride, int64_t n, float* const* acc) {
+    if constexpr (FAST) values_fast<G, C>(w, v, stride, n, acc);
+    else values_base<G, C>(w, v, stride, n, acc);
+}
+
+// The query heads of one row over positions first..L-1, in groups of up to 3 heads that share a
+// KV head (per_kv mode: every KV head of the row in turn), so each key and value row is read once
+// per group, and the sums of 3 heads x 4 chunks stay in AVX2's 16 registers. HD: the head size
+// at compile time (a multiple of 8), 0 for any multiple of 8 at run time.
+template <int HD, typename KF, typename VF, bool FAST>
 ALWAYS_INLINE void attend_row(const RowArgs& a) {
     const int64_t hd = HD ? HD : a.hd, nv = hd / 8, n = a.L - a.first, ls = n + 8;
     float* acc_all = a.scores + a.heads * ls;                     // (heads, hd) running sums of e * v
     float* buf = acc_all + a.heads * hd;                          // (block_size, hd or n_kv * hd) widened rows
+    float* qs = buf + a.block_size * (a.per_kv ? a.n_kv * hd : hd);    // (heads, hd) queries x scale
+    const int64_t groups = a.per_kv ? a.heads / a.per_kv : 1, per = a.per_kv ? a.per_kv : a.heads;
     float mx[64];
-    for (int64_t hh = 0; hh < a.heads; hh++) mx[hh] = -INFINITY;
-    float qs[64 * 8];                                             // one head's scaled query, reused per key chunk
+    for (int64_t hh = 0; hh < a.heads; hh++) {
+        mx[hh] = -INFINITY;
+        for (int64_t i = 0; i < nv; i++) store8(qs + hh * hd + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
+    }
     // scores[hh][p - first] = q_hh . k_p * scale, block by block through the table
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         int64_t stride;
-        const float* kb = KF::rows(a, a.k, b, p % a.block_size, end - p, buf, stride);
-        const int64_t p0 = p;
+        const auto* kb = Src<KF>::rows(a, a.k, b, p % a.block_size, end - p, buf, stride);
         prefetch_block<KF>(a, a.k, b + 1, hd);
-        for (int64_t hh = 0; hh < a.heads; hh++) {
-            for (int64_t i = 0; i < nv; i++) store8(qs + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
-            float* sc_h = a.scores + hh * ls;
-            const float* k = kb + (a.per_kv ? hh / a.per_kv * hd : 0);
-            int64_t pp = p0;
-            for (; pp + 8 <= end; pp += 8, k += 8 * stride) {    // 8 keys at once: 8 independent sums
-                v8 s[8];
-                const v8 q0 = load8(qs);
-                for (int j = 0; j < 8; j++) s[j] = q0 * load8(k + j * stride);
-                for (int64_t i = 1; i < nv; i++) {
-                    const v8 qi = load8(qs + 8 * i);
-                    for (int j = 0; j < 8; j++) s[j] += qi * load8(k + j * stride + 8 * i);
-                }
-                const v8 sc = transpose_sum8(s);
-                store8(sc_h + (pp - a.first), sc);
-                mx[hh] = std::max(mx[hh], max8(sc));
-            }
-            for (; pp < end; pp++, k += stride) {
-                v8 s0 = splat8(0.f), s1 = splat8(0.f);
-                int64_t i = 0;
-                for (; i + 2 <= nv; i += 2) { s0 += load8(qs + 8 * i) * load8(k + 8 * i); s1 += load8(qs + 8 * i + 8) * load8(k + 8 * i + 8); }
-                if (i < nv) s0 += load8(qs + 8 * i) * load8(k + 8 * i);
-                const float sc = hsum8(s0 + s1);
-                sc_h[pp - a.first] = sc;
-                mx[hh] = std::max(mx[hh], sc);
+        for (int64_t g = 0; g < groups; g++) {
+            const auto* k = kb + (a.per_kv ? g * hd : 0);
+            for (int64_t h0 = g * per; h0 < (g + 1) * per;) {
+                const int64_t G = std::min<int64_t>(3, (g + 1) * per - h0);
+                float* sc[3];
+                for (int64_t h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
+                if (G == 3) scores_block<3, HD, FAST>(qs + h0 * hd, k, stride, hd, end - p, sc, mx + h0);
+                else if (G == 2) scores_block<2, HD, FAST>(qs + h0 * hd, k, stride, hd, end - p, sc, mx + h0);
+                else scores_block<1, HD, FAST>(qs + h0 * hd, k, stride, hd, end - p, sc, mx + h0);
+                h0 += G;
             }
         }
         p = end;
@@ -333,24 +500,32 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         if (a.ml) { a.ml[2 * hh] = mx[hh]; a.ml[2 * hh + 1] = sum; }
         for (int64_t i = 0; i < hd; i++) acc_all[hh * hd + i] = 0.f;
     }
-    // out_hh = sum_p e_p v_p / sum, a block's values used by every head while in L1
-    constexpr int NV = HD ? HD / 8 : 32;
+    // out_hh = sum_p e_p v_p / sum: each value row read once per group of heads, 4 chunks of 8 at a time
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         int64_t stride;
-        const float* vb = VF::rows(a, a.v, b, p % a.block_size, end - p, buf, stride);
+        const auto* vb = Src<VF>::rows(a, a.v, b, p % a.block_size, end - p, buf, stride);
         prefetch_block<VF>(a, a.v, b + 1, hd);
-        for (int64_t hh = 0; hh < a.heads; hh++) {
-            v8 acc[NV];
-            float* acc_h = acc_all + hh * hd;
-            const float* sc_h = a.scores + hh * ls - a.first;
-            for (int64_t i = 0; i < nv; i++) acc[i] = load8(acc_h + 8 * i);
-            const float* v = vb + (a.per_kv ? hh / a.per_kv * hd : 0);
-            for (int64_t pp = p; pp < end; pp++, v += stride) {
-                const v8 w = splat8(sc_h[pp]);
-                for (int64_t i = 0; i < nv; i++) acc[i] += w * load8(v + 8 * i);
+        for (int64_t g = 0; g < groups; g++) {
+            const auto* v = vb + (a.per_kv ? g * hd : 0);
+            for (int64_t h0 = g * per; h0 < (g + 1) * per;) {
+                const int64_t G = std::min<int64_t>(3, (g + 1) * per - h0);
+                const float* w[3];
+                float* acc[3];
+                for (int64_t h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
+                int64_t c = 0;
+                for (; c < nv; c += c + 4 <= nv ? 4 : 1) {
+                    for (int64_t h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
+                    const bool four = c + 4 <= nv;
+                    if (G == 3) four ? values_block<3, 4, FAST>(w, v + 8 * c, stride, end - p, acc)
+                                     : values_block<3, 1, FAST>(w, v + 8 * c, stride, end - p, acc);
+                    else if (G == 2) four ? values_block<2, 4, FAST>(w, v + 8 * c, stride, end - p, acc)
+                                          : values_block<2, 1, FAST>(w, v + 8 * c, stride, end - p, acc);
+                    else four ? values_block<1, 4, FAST>(w, v + 8 * c, stride, end - p, acc)
+                              : values_block<1, 1, FAST>(w, v + 8 * c, stride, end - p, acc);
+                }
+                h0 += G;
             }
-            for (int64_t i = 0; i < nv; i++) store8(acc_h + 8 * i, acc[i]);
         }
         p = end;
     }
@@ -392,33 +567,36 @@ inline void attend_scalar(const RowArgs& a) {
 // loops (attend_scalar) read one KV head per task only, so the whole-row tasks need this too.
 inline bool vector_kernel_takes(int64_t hd, int64_t heads) { return hd % 8 == 0 && hd <= 256 && heads <= 64; }
 
-template <typename KF, typename VF>
+template <typename KF, typename VF, bool FAST>
 ALWAYS_INLINE void attend_fmt(const RowArgs& a) {
     if (!vector_kernel_takes(a.hd, a.heads)) { attend_scalar<KF, VF>(a); return; }
     switch (a.hd) {
-        case 64: attend_row<64, KF, VF>(a); return;
-        case 128: attend_row<128, KF, VF>(a); return;
-        case 256: attend_row<256, KF, VF>(a); return;
-        default: attend_row<0, KF, VF>(a); return;
+        case 64: attend_row<64, KF, VF, FAST>(a); return;
+        case 128: attend_row<128, KF, VF, FAST>(a); return;
+        case 256: attend_row<256, KF, VF, FAST>(a); return;
+        default: attend_row<0, KF, VF, FAST>(a); return;
     }
 }
 
 // int8: K scaled per block per channel, V per token; fp8: both per token (paged_kv.py)
 enum class PoolType { F32, F16, BF16, INT8, FP8 };
 
+template <bool FAST>
 ALWAYS_INLINE void attend_any(const RowArgs& a, PoolType type) {
     switch (type) {
-        case PoolType::F32: attend_fmt<F32, F32>(a); return;
-        case PoolType::F16: attend_fmt<F16, F16>(a); return;
-        case PoolType::BF16: attend_fmt<BF16, BF16>(a); return;
-        case PoolType::INT8: attend_fmt<ChannelScaledInt8, TokenScaled<Int8Code>>(a); return;
-        case PoolType::FP8: attend_fmt<TokenScaled<Fp8Code>, TokenScaled<Fp8Code>>(a); return;
+        case PoolType::F32: attend_fmt<F32, F32, FAST>(a); return;
+        case PoolType::F16: attend_fmt<F16, F16, FAST>(a); return;
+        case PoolType::BF16: attend_fmt<BF16, BF16, FAST>(a); return;
+        case PoolType::INT8: attend_fmt<ChannelScaledInt8, TokenScaled<Int8Code>, FAST>(a); return;
+        case PoolType::FP8: attend_fmt<TokenScaled<Fp8Code>, TokenScaled<Fp8Code>, FAST>(a); return;
     }
 }
 
-__attribute__((target("avx2,fma,avx512f,avx512vl"))) void attend_avx512(const RowArgs& a, PoolType t) { attend_any(a, t); }
-__attribute__((target("avx2,fma"))) void attend_avx2(const RowArgs& a, PoolType t) { attend_any(a, t); }
-void attend_base(const RowArgs& a, PoolType t) { attend_any(a, t); }
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl"))) void attend_avx512(const RowArgs& a, PoolType t) {
+    attend_any<true>(a, t);
+}
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const RowArgs& a, PoolType t) { attend_any<true>(a, t); }
+void attend_base(const RowArgs& a, PoolType t) { attend_any<false>(a, t); }
 
 using RowKernel = void (*)(const RowArgs&, PoolType);
 struct Kernels {
@@ -678,7 +856,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
             const int64_t t = task.t, g = task.g, h0 = g * group + i % slices * per;
             const int64_t heads = whole_rows ? H : std::min(per, (g + 1) * group - h0);
             if (heads <= 0) continue;
-            scratch.resize(heads * (task.end - task.first + 8 + hd) + block_size * width);
+            scratch.resize(heads * (task.end - task.first + 8 + 2 * hd) + block_size * width);
             float* dst = task.part < 0 ? op + (t * H + h0) * hd : partial.data() + (task.part * H + h0) * hd;
             float* dst_ml = task.part < 0 ? nullptr : ml.data() + (task.part * H + h0) * 2;
             const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8_scaled, chosen.widen_fp8,
