@@ -407,6 +407,15 @@ def test_cli_cache_show_and_clear(model_path, tmp_path):
     assert json.loads(cli("--cache-dir", str(tmp_path / "kv"), "--json"))["files"] == 0
 
 
+def test_cache_command_never_imports_torch(tmp_path):
+    """`localrun cache` reads the directory only: no torch (~3 s of imports) to list or clear it."""
+    code = ("import sys\nfrom localrun.cli.main import main\nsys.argv = ['localrun', *sys.argv[1:]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\nprint('torch' in sys.modules)")
+    for args in (["cache", "--cache-dir", str(tmp_path), "--json"], ["cache", "clear", "--cache-dir", str(tmp_path)]):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "False", (proc.stdout, proc.stderr)
+
+
 # --- the real model: a 1,500-token prompt across two processes ------------------------------
 
 REAL_CHILD = """

@@ -1,5 +1,5 @@
 """`localrun cache` (size and hit counts of the disk KV cache) and `localrun cache clear`.
-Thin: reads the cache directory through localrun.engine.disk_cache; never imports a model."""
+Thin: reads the cache directory through localrun.engine.disk_files; never imports torch or a model."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,7 @@ def show(ctx: typer.Context, cache_dir: Optional[str] = CacheDirOpt,
     """Size of the disk KV cache per model and layout, and its hit and write counts."""
     if ctx.invoked_subcommand is not None:
         return
-    from localrun.engine.disk_cache import summarize
+    from localrun.engine.disk_files import summarize
     summary = summarize(cache_root(cache_dir))
     if as_json:
         out.print_json(json.dumps(summary))
@@ -52,7 +52,7 @@ def show(ctx: typer.Context, cache_dir: Optional[str] = CacheDirOpt,
 @cache_app.command()
 def clear(cache_dir: Optional[str] = CacheDirOpt):
     """Delete every block in the disk KV cache, and its counts."""
-    from localrun.engine.disk_cache import clear as clear_cache
+    from localrun.engine.disk_files import clear as clear_cache
     root = cache_root(cache_dir)
     num_files, num_bytes = clear_cache(root)
     out.print(f"removed {num_files:,} blocks ({format_bytes(num_bytes)}) from {root}")

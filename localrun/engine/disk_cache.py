@@ -52,23 +52,20 @@ import time
 import warnings
 import weakref
 import zlib
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from localrun.engine.disk_files import STATS_FILE, SUFFIX, load_stats, scan, write_atomic
 from localrun.engine.paged_kv import PagedKVCache
 
 FORMAT = "localrun-kv-block-1"
-SUFFIX = ".safetensors"
-STATS_FILE = "stats.json"
 DEFAULT_MAX_BYTES = 20 << 30            # 20 GiB, and never more than half the free disk space
 MUST_WRITE_WAIT_S = 0.05                # a window waits this long at most for one block when the queue is half full
 QUEUE_BLOCKS = 256                      # blocks waiting to be written (~190 MB for SmolLM2 f32)
-STALE_TMP_S = 3600                      # a temp file this old was left by a crashed writer
 FINGERPRINT_SAMPLES = 16                # 64 KiB samples of the tensor data in a model fingerprint
 SAMPLE_BYTES = 1 << 16
 
@@ -164,41 +161,6 @@ class DiskCacheConfig:
     model_fingerprint: str
     max_bytes: int | None = None                 # default: default_max_bytes(root)
     queue_blocks: int = QUEUE_BLOCKS
-
-
-@dataclass
-class _Index:
-    """Every block file under root, least recently used first, with its size."""
-    files: OrderedDict[Path, int] = field(default_factory=OrderedDict)
-    num_bytes: int = 0
-
-    def add(self, path: Path, size: int) -> None:
-        self.num_bytes += size - self.files.pop(path, 0)
-        self.files[path] = size
-
-    def remove(self, path: Path) -> None:
-        self.num_bytes -= self.files.pop(path, 0)
-
-
-def scan(root: Path) -> _Index:
-    """Index the block files under root by mtime; delete temp files left by crashed writers."""
-    entries, now = [], time.time()
-    for ns_dir in (root.iterdir() if root.is_dir() else ()):
-        if not ns_dir.is_dir():
-            continue
-        for entry in os.scandir(ns_dir):
-            try:
-                st = entry.stat()
-            except OSError:
-                continue
-            if entry.name.endswith(SUFFIX):
-                entries.append((st.st_mtime, Path(entry.path), st.st_size))
-            elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_S:
-                Path(entry.path).unlink(missing_ok=True)
-    index = _Index()
-    for _, path, size in sorted(entries):
-        index.add(path, size)
-    return index
 
 
 class BlockFiles:
@@ -463,57 +425,3 @@ def lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def load_stats(root: Path) -> dict[str, int | float]:
-    """The counts every process added to root's stats file ({} if none or unreadable)."""
-    try:
-        data = json.loads((Path(root) / STATS_FILE).read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def summarize(root: Path) -> dict:
-    """What `localrun cache` shows: files and bytes per namespace (model and layout), totals,
-    and the persistent counts."""
-    root = Path(root)
-    index = scan(root)
-    per_ns: dict[str, dict[str, int]] = {}
-    for path, size in index.files.items():
-        entry = per_ns.setdefault(path.parent.name, {"files": 0, "bytes": 0})
-        entry["files"] += 1
-        entry["bytes"] += size
-    return {"cache_dir": str(root), "files": len(index.files), "bytes": index.num_bytes,
-            "namespaces": per_ns, "stats": load_stats(root)}
-
-
-def clear(root: Path) -> tuple[int, int]:
-    """Delete every block file, temp file and the stats file under root; (files, bytes) removed."""
-    root = Path(root)
-    num_files = num_bytes = 0
-    if not root.is_dir():
-        return 0, 0
-    for ns_dir in root.iterdir():
-        if ns_dir.is_dir():
-            for entry in os.scandir(ns_dir):
-                if entry.name.endswith(SUFFIX) or entry.name.endswith(".tmp"):
-                    try:
-                        size = entry.stat().st_size
-                        os.unlink(entry.path)
-                    except OSError:
-                        continue
-                    if entry.name.endswith(SUFFIX):
-                        num_files, num_bytes = num_files + 1, num_bytes + size
-            try:
-                ns_dir.rmdir()
-            except OSError:
-                pass
-    (root / STATS_FILE).unlink(missing_ok=True)
-    return num_files, num_bytes
