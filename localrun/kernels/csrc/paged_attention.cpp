@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 #include "vec8.h"
@@ -440,6 +441,19 @@ ALWAYS_INLINE void values_block(const float* const* w, const R* v, int64_t strid
     else values_base<G, C>(w, v, stride, n, acc);
 }
 
+// f(g, h0, heads) for the query heads of a row in groups of up to 3 that share KV head g:
+// heads h0..h0+G-1, G given as std::integral_constant<int, G> (the inner loops' register count).
+template <typename F>
+ALWAYS_INLINE void head_groups(int64_t groups, int64_t per, F&& f) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t h0 = g * per; h0 < (g + 1) * per; h0 += 3) {
+            const int64_t left = (g + 1) * per - h0;
+            if (left >= 3) f(g, h0, std::integral_constant<int, 3>{});
+            else if (left == 2) f(g, h0, std::integral_constant<int, 2>{});
+            else f(g, h0, std::integral_constant<int, 1>{});
+        }
+}
+
 // The query heads of one row over positions first..L-1, in groups of up to 3 heads that share a
 // KV head (per_kv mode: every KV head of the row in turn), so each key and value row is read once
 // per group, and the sums of 3 heads x 4 chunks stay in AVX2's 16 registers. HD: the head size
@@ -462,18 +476,12 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         int64_t stride;
         const auto* kb = Src<KF>::rows(a, a.k, b, p % a.block_size, end - p, buf, stride);
         prefetch_block<KF>(a, a.k, b + 1, hd);
-        for (int64_t g = 0; g < groups; g++) {
-            const auto* k = kb + (a.per_kv ? g * hd : 0);
-            for (int64_t h0 = g * per; h0 < (g + 1) * per;) {
-                const int64_t G = std::min<int64_t>(3, (g + 1) * per - h0);
-                float* sc[3];
-                for (int64_t h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
-                if (G == 3) scores_block<3, HD, FAST>(qs + h0 * hd, k, stride, hd, end - p, sc, mx + h0);
-                else if (G == 2) scores_block<2, HD, FAST>(qs + h0 * hd, k, stride, hd, end - p, sc, mx + h0);
-                else scores_block<1, HD, FAST>(qs + h0 * hd, k, stride, hd, end - p, sc, mx + h0);
-                h0 += G;
-            }
-        }
+        head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
+            constexpr int G = decltype(heads)::value;
+            float* sc[G];
+            for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
+            scores_block<G, HD, FAST>(qs + h0 * hd, kb + (a.per_kv ? g * hd : 0), stride, hd, end - p, sc, mx + h0);
+        });
         p = end;
     }
     // e^(s - max) per head, summed in 8 lanes
@@ -506,27 +514,18 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         int64_t stride;
         const auto* vb = Src<VF>::rows(a, a.v, b, p % a.block_size, end - p, buf, stride);
         prefetch_block<VF>(a, a.v, b + 1, hd);
-        for (int64_t g = 0; g < groups; g++) {
+        head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
+            constexpr int G = decltype(heads)::value;
+            const float* w[G];
+            float* acc[G];
+            for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
             const auto* v = vb + (a.per_kv ? g * hd : 0);
-            for (int64_t h0 = g * per; h0 < (g + 1) * per;) {
-                const int64_t G = std::min<int64_t>(3, (g + 1) * per - h0);
-                const float* w[3];
-                float* acc[3];
-                for (int64_t h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
-                int64_t c = 0;
-                for (; c < nv; c += c + 4 <= nv ? 4 : 1) {
-                    for (int64_t h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
-                    const bool four = c + 4 <= nv;
-                    if (G == 3) four ? values_block<3, 4, FAST>(w, v + 8 * c, stride, end - p, acc)
-                                     : values_block<3, 1, FAST>(w, v + 8 * c, stride, end - p, acc);
-                    else if (G == 2) four ? values_block<2, 4, FAST>(w, v + 8 * c, stride, end - p, acc)
-                                          : values_block<2, 1, FAST>(w, v + 8 * c, stride, end - p, acc);
-                    else four ? values_block<1, 4, FAST>(w, v + 8 * c, stride, end - p, acc)
-                              : values_block<1, 1, FAST>(w, v + 8 * c, stride, end - p, acc);
-                }
-                h0 += G;
+            for (int64_t c = 0; c < nv;) {                          // 4 chunks of 8 at a time, then one
+                for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
+                if (c + 4 <= nv) { values_block<G, 4, FAST>(w, v + 8 * c, stride, end - p, acc); c += 4; }
+                else { values_block<G, 1, FAST>(w, v + 8 * c, stride, end - p, acc); c += 1; }
             }
-        }
+        });
         p = end;
     }
     for (int64_t hh = 0; hh < a.heads; hh++)
