@@ -44,6 +44,7 @@ from layerplan.settings import PlanSettings
 from layerplan.speed import step_seconds
 
 RATE_RANGE = (1e6, 1e16)      # bytes/s or flop/s the bisection searches in
+UNSEEN_RATE = RATE_RANGE[1] / 10  # a rate fitted this high: its cost did not show in the timings
 OVERHEAD_CAP_S = 1.0          # a per-layer or per-step overhead beyond this is a broken timing
 
 
@@ -77,7 +78,8 @@ def _solve_rate(seconds_at, target: float, unseen: float) -> float:
     for _ in range(64):    # 2^-64 of the range's log: far below timing noise
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if seconds_at(mid) > target else (lo, mid)
-    return math.sqrt(lo * hi)
+    rate = math.sqrt(lo * hi)
+    return unseen if rate >= UNSEEN_RATE else rate
 
 
 class _Model:
@@ -164,8 +166,12 @@ def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
     start = [math.log(h.unpack_bandwidth or 1e9)] + [math.log(h.compute_flops)] * 3
     logs = _solve_logs(prompt_steps, [*t.prefill_s, t.prefill_split_s, t.prefill_cached_s], start)
     rates = dict(zip(names, (math.exp(v) for v in logs)))
-    if rates["unpack_bandwidth"] >= RATE_RANGE[1] / 10:
-        rates["unpack_bandwidth"] = 0.0     # no fixed cost to see: weights are not unpacked
+    # A rate that drifted to the top of the range saw no cost: 0.0, so that the speed model
+    # takes its stand-in (no unpacking; compute_flops for the attention rates) rather than a
+    # rate of ~1e16 (exp(log(1e16)) is 1.0000000000000034e16).
+    for name in ("unpack_bandwidth", "causal_attention_flops", "attention_flops"):
+        if rates[name] >= UNSEEN_RATE:
+            rates[name] = 0.0
     return replace(h, **rates)
 
 

@@ -1,10 +1,12 @@
 """The engine calibration's fit (layerplan.engine_fit): timings that the speed model itself predicts
 for known figures give those figures back; noise never gives a negative cost; and the new figures
 (decode flop/s, unpack bandwidth) act in the speed model where they should, checked by hand."""
+import math
 from dataclasses import replace
 
 import pytest
 
+from layerplan import engine_fit
 from layerplan.devices import Device, Machine
 from layerplan.engine_fit import EngineTimings, _Model, fit_host, residuals
 from layerplan.model_profile import LayerProfile, ModelProfile
@@ -84,6 +86,22 @@ def test_noise_never_gives_a_negative_cost_nor_an_infinite_rate():
     assert fitted.layer_overhead_s == 0.0 and fitted.step_overhead_s >= 0.0
     assert (fitted.kv_bandwidth, fitted.decode_flops) == (7e9, 0.0)    # not measurable: the figures given are kept
     assert 0 < fitted.compute_flops < 1e16
+
+
+def test_a_rate_at_the_top_of_the_range_is_taken_as_unseen(monkeypatch):
+    """A cost too small to show in the timings (a tiny model's attention) drives its rate to the top
+    of the search range: the fit then keeps the stand-in (0.0: the speed model reads compute_flops
+    in its place; the bisection's rates: the figure given), never a rate of ~1e16 (seen on an
+    AVX-512 host: exp(log(1e16)) = 1.0000000000000034e16)."""
+    assert engine_fit._solve_rate(lambda r: 1.0 / r, 1.5e-16, unseen=7.0) == 7.0
+    assert engine_fit._solve_rate(lambda r: 1.0 / r, 1e-11, unseen=7.0) == pytest.approx(1e11, rel=1e-9)
+    top = math.log(engine_fit.RATE_RANGE[1])
+    solve = engine_fit._solve_logs
+    monkeypatch.setattr(engine_fit, "_solve_logs", lambda f, m, start: solve(f, m, start)[:2] + [top, top])
+    profile = _toy()
+    fitted = fit_host(profile, TRUE_HOST, "f16", _timings(profile, TRUE_HOST))
+    assert (fitted.attention_flops, fitted.causal_attention_flops) == (0.0, 0.0)
+    assert fitted.compute_flops == pytest.approx(250e9, rel=1e-2)
 
 
 def _host_only(profile, host, n_parallel=1, n_ubatch=512):
