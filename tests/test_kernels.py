@@ -200,6 +200,37 @@ def test_forced_instruction_sets(isa):
     assert max(result["errors"].values()) < 2e-6, result
 
 
+LANES_SCRIPT = """
+import hashlib, sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from test_kernels import TYPES, random_blocks, shapes_for
+from localrun import kernels
+h = hashlib.md5()
+for qtype, (n, k) in [(t, s) for t in TYPES if t.name != "Q8_0" for s in shapes_for(t)]:
+    x = np.random.default_rng(2).standard_normal((13, k)).astype(np.float32)
+    y = kernels.qmatmul(torch.from_numpy(x), [torch.from_numpy(random_blocks(qtype, n, k))], [int(qtype) | kernels.LANES])
+    h.update(y.numpy().tobytes())
+print(kernels.isa(), h.hexdigest())
+"""
+
+
+def test_lanes_give_the_same_bits_on_avx2_and_avx512():
+    """The lane layout's integer sums are exact in AVX2 (maddubs + madd) and in AVX-512 VNNI
+    (vpdpbusd), and the float steps are the same instructions, so a lane type's product is the
+    same bits on either instruction set: an AVX2 host and an AVX-512 one decode alike."""
+    if kernels.isa() != "avx512":
+        pytest.skip("this host does not run the AVX-512 kernels")
+    runs = {}
+    for isa in ("avx2", "avx512"):
+        out = subprocess.run([sys.executable, "-c", LANES_SCRIPT, os.path.dirname(__file__)],
+                             env={**os.environ, "LOCALRUN_ISA": isa}, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got_isa, digest = out.stdout.split()
+        assert got_isa == isa
+        runs[isa] = digest
+    assert runs["avx2"] == runs["avx512"], runs
+
+
 def test_unknown_isa_is_refused():
     env = {**os.environ, "LOCALRUN_ISA": "sse9"}
     out = subprocess.run([sys.executable, "-c", "from localrun import kernels; print(kernels.available())"],

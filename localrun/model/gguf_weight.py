@@ -40,8 +40,9 @@ def use_lanes(n_parallel: int) -> bool:
     (LANES_MIN_PARALLEL = 1) uses them on AVX2; the threshold was 8 while a thread-local lookup
     in the lane kernel's loops made one row 5-10% slower. One engine uses one layout for every
     call, so a row's result never depends on what shares its step (the two layouts differ by
-    summation order). On AVX-512 the kernel has one layout and ignores this."""
-    return n_parallel >= LANES_MIN_PARALLEL and kernels.isa() == "avx2"
+    summation order). AVX-512 hosts run the same lane kernel with VNNI's vpdpbusd for the steps
+    (the same bits as AVX2's: the integer sums are exact either way); see docs/kernels.md."""
+    return n_parallel >= LANES_MIN_PARALLEL and kernels.isa() in ("avx2", "avx512")
 
 
 def tile_rows(k: int) -> int:

@@ -60,9 +60,9 @@ std::string isa_name() {
     switch (isa()) { case Isa::Avx512: return "avx512"; case Isa::Avx2: return "avx2"; default: return "ref"; }
 }
 
-// A weight's type with this bit set asks for the lane layout of the integer kernel (AVX2: eight
-// weight rows side by side, qmatmul_simd.h): faster from a few activation rows on, slower for
-// one. A call's rows get the same bits whatever their number in either layout; the layouts
+// A weight's type with this bit set asks for the lane layout of the integer kernel (eight
+// weight rows side by side, qmatmul_simd.h; AVX2's maddubs or AVX-512 VNNI's vpdpbusd, the same
+// bits). A call's rows get the same bits whatever their number in either layout; the layouts
 // differ from each other by summation order, so an engine uses one (localrun/model/gguf_weight.py).
 constexpr int64_t LANES = 1 << 8;
 
@@ -148,11 +148,11 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
     TORCH_CHECK(K % 32 == 0, "localrun::qmatmul: K must be a multiple of 32, got ", K);
     std::vector<int64_t> starts{0};
     std::vector<int> types;                 // the GGML types, without the LANES bit
-    bool lanes = false;                     // a part asks for the lane layout, which only AVX2 has
+    bool lanes = false;                     // a part asks for the lane layout (AVX2 and AVX-512)
     for (size_t i = 0; i < weights.size(); i++) {
         const at::Tensor& w = weights[i];
         types.push_back((int)(qtypes[i] & ~LANES));
-        lanes |= (qtypes[i] & LANES) && isa() == Isa::Avx2;
+        lanes |= (qtypes[i] & LANES) && isa() != Isa::Ref;
         TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
                     "localrun::qmatmul: weights must be contiguous (N, row bytes) uint8");
         TORCH_CHECK(w.size(1) == row_bytes_of(types[i], K), "localrun::qmatmul: weight ", i, " has ", w.size(1),
