@@ -112,12 +112,15 @@ def test_dequantize_equals_gguf(qtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_are_bit_identical_in_any_batch(layout):
     """A row's output is the same bits alone, in any subset, at any position of the call, in
-    either layout (lanes: 8 weight rows side by side, partial tiles at 11 and 13 rows)."""
+    either layout (lanes: 8 weight rows side by side, partial tiles at 11, 13, 17 and 3 rows;
+    calls of up to a tile pass's rows decode each group and use it at once, larger ones build the
+    tile first: both are compared here)."""
     rng = np.random.default_rng(4)
-    types = [QT.Q4_K, QT.Q6_K, QT.Q5_1, QT.Q4_1, QT.Q8_0]
+    types = [QT.Q4_K, QT.Q6_K, QT.Q5_1, QT.Q4_1, QT.Q8_0, QT.Q5_K, QT.Q5_0, QT.Q4_0]
     parts = [random_blocks(QT.Q4_K, 40, 512, seed=5), random_blocks(QT.Q6_K, 24, 512, seed=6),
              random_blocks(QT.Q5_1, 11, 512, seed=10), random_blocks(QT.Q4_1, 13, 512, seed=11),
-             random_blocks(QT.Q8_0, 9, 512, seed=12)]
+             random_blocks(QT.Q8_0, 9, 512, seed=12), random_blocks(QT.Q5_K, 17, 512, seed=14),
+             random_blocks(QT.Q5_0, 8, 512, seed=15), random_blocks(QT.Q4_0, 3, 512, seed=16)]
     weights, qtypes = [torch.from_numpy(p) for p in parts], [int(t) | LAYOUTS[layout] for t in types]
     x = torch.from_numpy(rng.standard_normal((33, 512)).astype(np.float32))
     full = kernels.qmatmul(x, weights, qtypes)
@@ -208,8 +211,10 @@ from localrun import kernels
 h = hashlib.md5()
 for qtype, (n, k) in [(t, s) for t in TYPES if t.name != "Q8_0" for s in shapes_for(t)]:
     x = np.random.default_rng(2).standard_normal((13, k)).astype(np.float32)
-    y = kernels.qmatmul(torch.from_numpy(x), [torch.from_numpy(random_blocks(qtype, n, k))], [int(qtype) | kernels.LANES])
-    h.update(y.numpy().tobytes())
+    for rows in (13, 3, 1):          # through the tile, and decoded and used at once
+        y = kernels.qmatmul(torch.from_numpy(x[:rows]), [torch.from_numpy(random_blocks(qtype, n, k))],
+                            [int(qtype) | kernels.LANES])
+        h.update(y.numpy().tobytes())
 print(kernels.isa(), h.hexdigest())
 """
 

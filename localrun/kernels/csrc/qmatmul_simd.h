@@ -361,7 +361,6 @@ template <int QT> constexpr int STEPS = QT == Q6_K ? 2 : (QT == Q5_0 || QT == Q5
 template <int QT> constexpr bool HALVES = QT == Q6_K;     // a and b differ between a group's halves
 
 struct Tile8 {                    // 8 weight rows of K values
-    std::vector<uint8_t> rows;    // K-quants: (8, K) codes as decoded, before transposition
     std::vector<__m256i> q;       // (K/32, 8): q[8g + j], lane i = codes 4j..4j+3 of group g of row i
     std::vector<float> ab;        // (K/32, 4, 8): a of half 0, a of half 1, b of half 0, b of half 1; lane i = row i
 };
@@ -446,13 +445,10 @@ static inline void group8(const uint8_t* const* rp, int64_t g, __m256i* q, float
     _mm256_storeu_ps(ab + 16, b); _mm256_storeu_ps(ab + 24, b);
 }
 
-// Super-block sb of 8 Q4_K rows in the transposed form: q[8j + s] (j < 8 groups, s < 8 steps),
-// ab[32j ..] as Tile8's. A super-block's 32-byte chunk c of codes holds group 2c in its low
-// nibbles and 2c + 1 in its high ones, value l in byte l: word s of the chunk is step s of both.
-static inline void superblock8_q4k(const uint8_t* const* rp, int64_t sb, __m256i* q, float* ab) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
+// The scales of super-block sb of 8 Q4_K or Q5_K rows (bytes per super-block), as Tile8's ab.
+static inline void scales8_k4(const uint8_t* const* rp, int64_t sb, int bytes, float* ab) {
     for (int i = 0; i < 8; i++) {
-        const uint8_t* blk = rp[i] + sb * 144;
+        const uint8_t* blk = rp[i] + sb * bytes;
         const float d = f16(blk), dmin = f16(blk + 2);
         for (int j = 0; j < 8; j++) {
             int sc, m; scale_min_k4(j, blk + 4, sc, m);
@@ -461,16 +457,87 @@ static inline void superblock8_q4k(const uint8_t* const* rp, int64_t sb, __m256i
             a[16] = a[24] = -dmin * (float)m;
         }
     }
+}
+
+// The scales of super-block sb of 8 Q6_K rows: a = d * sc per 16 values, b = -32 a (as
+// for_each_group), 8 rows per vector: each row's 16 int8 scales as 4 words a lane.
+static inline void scales8_q6k(const uint8_t* const* rp, int64_t sb, float* ab) {
+    const int64_t at = sb * 210;
+    auto half = [&](int i) { uint16_t v; std::memcpy(&v, rp[i] + at + 208, 2); return (short)v; };
+    const __m256 d = _mm256_cvtph_ps(_mm_set_epi16(half(7), half(6), half(5), half(4), half(3), half(2), half(1), half(0)));
+    for (int w = 0; w < 4; w++) {
+        const __m256i v = words8(rp, at + 192 + 4 * w);          // scales 4w .. 4w + 3 of each row
+        for (int u = 0; u < 4; u++) {
+            const int t = 4 * w + u;                               // scale t: group t / 2, half t % 2
+            const __m256i sc = _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * u), 24);
+            const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+            float* o = ab + 32 * (t / 2) + 8 * (t % 2);
+            _mm256_storeu_ps(o, a);
+            _mm256_storeu_ps(o + 16, _mm256_mul_ps(a, _mm256_set1_ps(-32.f)));
+        }
+    }
+}
+
+// Super-block sb of 8 Q4_K or Q5_K rows in the transposed form: q[8j + s] (j < 8 groups, s < 8
+// steps), ab[32j ..] as Tile8's. A super-block's 32-byte chunk c of codes holds group 2c in its
+// low nibbles and 2c + 1 in its high ones, value l in byte l: word s of the chunk is step s of both.
+template <int QT>
+static inline void superblock8_k4(const uint8_t* const* rp, int64_t sb, __m256i* q, float* ab) {
+    constexpr int bytes = QT == Q4_K ? 144 : 176, qs_at = QT == Q4_K ? 16 : 48;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    scales8_k4(rp, sb, bytes, ab);
+    __m256i r[8], qh[8];
+    if constexpr (QT == Q5_K) {        // bit j of qh byte l: the fifth bit of value l of group j
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * bytes + 16));
+        transpose8(r, qh);
+    }
     for (int c = 0; c < 4; c++) {
-        __m256i r[8], words[8];
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * 144 + 16 + 32 * c));
+        __m256i words[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * bytes + qs_at + 32 * c));
         transpose8(r, words);
         __m256i* lo = q + 8 * (2 * c);
         for (int s = 0; s < 8; s++) {
             lo[s] = _mm256_and_si256(words[s], low4);
             lo[8 + s] = _mm256_and_si256(_mm256_srli_epi16(words[s], 4), low4);
+            if constexpr (QT == Q5_K) {
+                lo[s] = _mm256_or_si256(lo[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh[s], 2 * c), one), 4));
+                lo[8 + s] = _mm256_or_si256(lo[8 + s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh[s], 2 * c + 1), one), 4));
+            }
         }
     }
+}
+
+// Super-block sb of 8 Q6_K rows in the same form, decoded after the transposition: a code's low
+// bits (ql) and high bits (qh) lie at the same byte position in their 32-byte chunks, so the
+// chunks' 8 x 8 word transpositions give each step's bytes, and the byte operations of
+// for_each_group then act on 8 rows at once.
+static inline void superblock8_q6k(const uint8_t* const* rp, int64_t sb, __m256i* q, float* ab) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) {
+        __m256i ql[2][8], qh[8], r[8];
+        for (int c = 0; c < 2; c++) {
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * 210 + 64 * h + 32 * c));
+            transpose8(r, ql[c]);
+        }
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * 210 + 128 + 32 * h));
+        transpose8(r, qh);
+        for (int k = 0; k < 4; k++) {
+            __m256i* out = q + 8 * (4 * h + k);
+            for (int st = 0; st < 8; st++) {
+                const __m256i l = ql[k % 2][st];
+                const __m256i lo = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh[st], 2 * k), low2);
+                out[st] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+            }
+        }
+    }
+    scales8_q6k(rp, sb, ab);
+}
+
+template <int QT>
+static inline void superblock8(const uint8_t* const* rp, int64_t sb, __m256i* q, float* ab) {
+    if constexpr (QT == Q6_K) superblock8_q6k(rp, sb, q, ab);
+    else superblock8_k4<QT>(rp, sb, q, ab);
 }
 
 // Rows n0 .. n0 + rows - 1 (rows <= 8) of a weight into t. The lanes past `rows` repeat the last
@@ -496,34 +563,13 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
         }
         return;
     }
-    if constexpr (QT == Q4_K) {
-        const int64_t span = next_rows * row_bytes, per = ((span + 63) / 64 + K / 256 - 1) / (K / 256) * 64;
-        const uint8_t* next = next_rows ? w + (n0 + 8) * row_bytes : w;
-        for (int64_t sb = 0; sb < K / 256; sb++) {
-            for (int64_t off = sb * per; off < std::min(span, (sb + 1) * per); off += 64)
-                _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
-            superblock8_q4k(rp, sb, tq + 64 * sb, tab + 256 * sb);
-        }
-        return;
-    }
-    // Q5_K, Q6_K: each row decoded group by group (for_each_group), then each group transposed
-    t.rows.resize(8 * K);
-    uint8_t* const trows = t.rows.data();
-    for (int i = 0; i < 8; i++) {
-        uint8_t* codes = trows + i * K;
-        float* ab = tab + i;
-        for_each_group<QT>(rp[i], K, [&](int64_t g, __m256i q, __m256 a, __m256 b) {
-            _mm256_storeu_si256((__m256i*)(codes + 32 * g), q);
-            ab[32 * g] = _mm256_cvtss_f32(a);
-            ab[32 * g + 8] = _mm_cvtss_f32(_mm256_extractf128_ps(a, 1));
-            ab[32 * g + 16] = _mm256_cvtss_f32(b);
-            ab[32 * g + 24] = _mm_cvtss_f32(_mm256_extractf128_ps(b, 1));
-        });
-    }
-    for (int64_t g = 0; g < G; g++) {
-        __m256i r[8];
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(trows + i * K + 32 * g));
-        transpose8(r, tq + 8 * g);
+    // the K-quants a super-block at a time (the next tile prefetched as above)
+    const int64_t span = next_rows * row_bytes, per = ((span + 63) / 64 + K / 256 - 1) / (K / 256) * 64;
+    const uint8_t* next = next_rows ? w + (n0 + 8) * row_bytes : w;
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        for (int64_t off = sb * per; off < std::min(span, (sb + 1) * per); off += 64)
+            _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
+        superblock8<QT>(rp, sb, tq + 64 * sb, tab + 256 * sb);
     }
 }
 
@@ -620,7 +666,7 @@ static void tile_rows(const __m256i* tq, const float* tab, const QX& qx, int64_t
 }
 
 // The same products for a call of few activation rows (R <= DIRECT_MAX_ROWS: one pass over the
-// tile would be all its use) of a 32-value type or Q4_K: each group (Q4_K: super-block) of the 8
+// tile would be all its use): each group (K-quants: super-block) of the 8
 // weight rows decoded and used at once, while it is in registers and L1, instead of decoding all
 // of K into the tile first. Decoding (8 streams of loads) and the dot products then overlap:
 // Q4_1 at 1 and 4 rows, one thread, 30 layers' weights, 2.2-2.6 -> 1.8 and 0.9-1.0 -> 0.5 ns per
@@ -639,14 +685,14 @@ static void direct_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int row
     __m256 acc[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    if constexpr (QT == Q4_K) {
+    if constexpr (!LOCKSTEP<QT>) {
         const int64_t S = qx.K / 256, per_sb = ((span + 63) / 64 + S - 1) / S * 64;
         for (int64_t sb = 0; sb < S; sb++) {
             for (int64_t off = sb * per_sb; off < std::min(span, (sb + 1) * per_sb); off += 64)
                 _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
             alignas(32) __m256i q[64];
             alignas(32) float ab[256];
-            superblock8_q4k(rp, sb, q, ab);
+            superblock8<QT>(rp, sb, q, ab);
             for (int j = 0; j < 8; j++) lane_group<QT, R>(q + 8 * j, ab + 32 * j, 8 * sb + j, qx, 0, ones, acc);
         }
     } else {
@@ -684,15 +730,13 @@ static void direct_rows_of(int r, const uint8_t* w, int64_t row_bytes, int64_t n
 template <int QT>
 static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
                       float* y, int64_t ldy) {
-    if constexpr (LOCKSTEP<QT> || QT == Q4_K) {
-        if (M <= DIRECT_MAX_ROWS) {
-            for (int64_t nt = n0; nt < n1; nt += 8) {
-                const int rows = (int)std::min<int64_t>(8, n1 - nt);
-                const int64_t next_rows = std::min<int64_t>(8, std::max<int64_t>(0, n1 - nt - 8));
-                direct_rows_of<QT>((int)M, w, row_bytes, nt, rows, qx, y, ldy, next_rows);
-            }
-            return;
+    if (M <= DIRECT_MAX_ROWS) {
+        for (int64_t nt = n0; nt < n1; nt += 8) {
+            const int rows = (int)std::min<int64_t>(8, n1 - nt);
+            const int64_t next_rows = std::min<int64_t>(8, std::max<int64_t>(0, n1 - nt - 8));
+            direct_rows_of<QT>((int)M, w, row_bytes, nt, rows, qx, y, ldy, next_rows);
         }
+        return;
     }
     thread_local Tile8 tile;
     for (int64_t nt = n0; nt < n1; nt += 8) {
