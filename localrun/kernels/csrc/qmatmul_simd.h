@@ -540,6 +540,21 @@ static inline void superblock8(const uint8_t* const* rp, int64_t sb, __m256i* q,
     else superblock8_k4<QT>(rp, sb, q, ab);
 }
 
+// Reading 8 rows side by side defeats the hardware prefetcher (8 streams a thread), so the next
+// tile's rows (the next_rows after rows n0 .. n0 + 7, contiguous) are asked for, a few lines in
+// each of `parts` steps (groups, or super-blocks) of the current tile.
+struct NextTile {
+    const uint8_t* p;
+    int64_t span, per;
+    NextTile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t next_rows, int64_t parts)
+        : p(next_rows ? w + (n0 + 8) * row_bytes : w), span(next_rows * row_bytes),
+          per(((span + 63) / 64 + parts - 1) / parts * 64) {}
+    void prefetch(int64_t part) const {
+        for (int64_t off = part * per; off < std::min(span, (part + 1) * per); off += 64)
+            _mm_prefetch((const char*)(p + off), _MM_HINT_T0);
+    }
+};
+
 // Rows n0 .. n0 + rows - 1 (rows <= 8) of a weight into t. The lanes past `rows` repeat the last
 // row (each lane is computed on its own, and those are never stored). next_rows: how many rows
 // of the next tile (the 8 after these) the caller will ask for, which are prefetched.
@@ -552,24 +567,17 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     const uint8_t* rp[8];
     for (int i = 0; i < 8; i++) rp[i] = w + (n0 + std::min(i, rows - 1)) * row_bytes;
     if constexpr (LOCKSTEP<QT>) {
-        // Reading 8 rows side by side defeats the hardware prefetcher (8 streams a thread), so
-        // the next tile (the next 8 rows, contiguous) is asked for, a few lines per group.
-        const uint8_t* next = next_rows ? w + (n0 + 8) * row_bytes : w;
-        const int64_t span = next_rows * row_bytes, per = ((span + 63) / 64 + G - 1) / G * 64;
+        const NextTile next(w, row_bytes, n0, next_rows, G);
         for (int64_t g = 0; g < G; g++) {
-            for (int64_t off = g * per; off < std::min(span, (g + 1) * per); off += 64)
-                _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
+            next.prefetch(g);
             group8<QT>(rp, g, tq + 8 * g, tab + 32 * g);
         }
-        return;
-    }
-    // the K-quants a super-block at a time (the next tile prefetched as above)
-    const int64_t span = next_rows * row_bytes, per = ((span + 63) / 64 + K / 256 - 1) / (K / 256) * 64;
-    const uint8_t* next = next_rows ? w + (n0 + 8) * row_bytes : w;
-    for (int64_t sb = 0; sb < K / 256; sb++) {
-        for (int64_t off = sb * per; off < std::min(span, (sb + 1) * per); off += 64)
-            _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
-        superblock8<QT>(rp, sb, tq + 64 * sb, tab + 256 * sb);
+    } else {                                         // the K-quants a super-block at a time
+        const NextTile next(w, row_bytes, n0, next_rows, K / 256);
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            next.prefetch(sb);
+            superblock8<QT>(rp, sb, tq + 64 * sb, tab + 256 * sb);
+        }
     }
 }
 
@@ -680,25 +688,23 @@ static void direct_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int row
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t* rp[8];
     for (int i = 0; i < 8; i++) rp[i] = w + (n0 + std::min(i, rows - 1)) * row_bytes;
-    const uint8_t* next = next_rows ? w + (n0 + 8) * row_bytes : w;        // as build_tile
-    const int64_t span = next_rows * row_bytes, per = ((span + 63) / 64 + G - 1) / G * 64;
     __m256 acc[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     if constexpr (!LOCKSTEP<QT>) {
-        const int64_t S = qx.K / 256, per_sb = ((span + 63) / 64 + S - 1) / S * 64;
+        const int64_t S = qx.K / 256;
+        const NextTile next(w, row_bytes, n0, next_rows, S);
         for (int64_t sb = 0; sb < S; sb++) {
-            for (int64_t off = sb * per_sb; off < std::min(span, (sb + 1) * per_sb); off += 64)
-                _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
+            next.prefetch(sb);
             alignas(32) __m256i q[64];
             alignas(32) float ab[256];
             superblock8<QT>(rp, sb, q, ab);
             for (int j = 0; j < 8; j++) lane_group<QT, R>(q + 8 * j, ab + 32 * j, 8 * sb + j, qx, 0, ones, acc);
         }
     } else {
+        const NextTile next(w, row_bytes, n0, next_rows, G);
         for (int64_t g = 0; g < G; g++) {
-            for (int64_t off = g * per; off < std::min(span, (g + 1) * per); off += 64)
-                _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
+            next.prefetch(g);
             alignas(32) __m256i q[8];
             alignas(32) float ab[32];
             group8<QT>(rp, g, q, ab);
