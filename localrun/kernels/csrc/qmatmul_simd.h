@@ -534,10 +534,15 @@ static inline void superblock8_q6k(const uint8_t* const* rp, int64_t sb, __m256i
     scales8_q6k(rp, sb, ab);
 }
 
+// The lane kernels decode 8 rows a unit at a time: a group of the 32-value types, a super-block
+// (8 groups) of the K-quants. decode_unit writes unit u's UNIT_GROUPS groups in Tile8's form.
+template <int QT> constexpr int UNIT_GROUPS = LOCKSTEP<QT> ? 1 : 8;
+
 template <int QT>
-static inline void superblock8(const uint8_t* const* rp, int64_t sb, __m256i* q, float* ab) {
-    if constexpr (QT == Q6_K) superblock8_q6k(rp, sb, q, ab);
-    else superblock8_k4<QT>(rp, sb, q, ab);
+static inline void decode_unit(const uint8_t* const* rp, int64_t u, __m256i* q, float* ab) {
+    if constexpr (LOCKSTEP<QT>) group8<QT>(rp, u, q, ab);
+    else if constexpr (QT == Q6_K) superblock8_q6k(rp, u, q, ab);
+    else superblock8_k4<QT>(rp, u, q, ab);
 }
 
 // Reading 8 rows side by side defeats the hardware prefetcher (8 streams a thread), so the next
@@ -566,18 +571,11 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     float* const tab = t.ab.data();
     const uint8_t* rp[8];
     for (int i = 0; i < 8; i++) rp[i] = w + (n0 + std::min(i, rows - 1)) * row_bytes;
-    if constexpr (LOCKSTEP<QT>) {
-        const NextTile next(w, row_bytes, n0, next_rows, G);
-        for (int64_t g = 0; g < G; g++) {
-            next.prefetch(g);
-            group8<QT>(rp, g, tq + 8 * g, tab + 32 * g);
-        }
-    } else {                                         // the K-quants a super-block at a time
-        const NextTile next(w, row_bytes, n0, next_rows, K / 256);
-        for (int64_t sb = 0; sb < K / 256; sb++) {
-            next.prefetch(sb);
-            superblock8<QT>(rp, sb, tq + 64 * sb, tab + 256 * sb);
-        }
+    const int64_t units = G / UNIT_GROUPS<QT>;
+    const NextTile next(w, row_bytes, n0, next_rows, units);
+    for (int64_t u = 0; u < units; u++) {
+        next.prefetch(u);
+        decode_unit<QT>(rp, u, tq + 8 * UNIT_GROUPS<QT> * u, tab + 32 * UNIT_GROUPS<QT> * u);
     }
 }
 
@@ -691,25 +689,15 @@ static void direct_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int row
     __m256 acc[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    if constexpr (!LOCKSTEP<QT>) {
-        const int64_t S = qx.K / 256;
-        const NextTile next(w, row_bytes, n0, next_rows, S);
-        for (int64_t sb = 0; sb < S; sb++) {
-            next.prefetch(sb);
-            alignas(32) __m256i q[64];
-            alignas(32) float ab[256];
-            superblock8<QT>(rp, sb, q, ab);
-            for (int j = 0; j < 8; j++) lane_group<QT, R>(q + 8 * j, ab + 32 * j, 8 * sb + j, qx, 0, ones, acc);
-        }
-    } else {
-        const NextTile next(w, row_bytes, n0, next_rows, G);
-        for (int64_t g = 0; g < G; g++) {
-            next.prefetch(g);
-            alignas(32) __m256i q[8];
-            alignas(32) float ab[32];
-            group8<QT>(rp, g, q, ab);
-            lane_group<QT, R>(q, ab, g, qx, 0, ones, acc);
-        }
+    constexpr int UG = UNIT_GROUPS<QT>;
+    const int64_t units = G / UG;
+    const NextTile next(w, row_bytes, n0, next_rows, units);
+    for (int64_t u = 0; u < units; u++) {
+        next.prefetch(u);
+        alignas(32) __m256i q[8 * UG];
+        alignas(32) float ab[32 * UG];
+        decode_unit<QT>(rp, u, q, ab);
+        for (int j = 0; j < UG; j++) lane_group<QT, R>(q + 8 * j, ab + 32 * j, UG * u + j, qx, 0, ones, acc);
     }
     store_lanes<R>(acc, 0, y, ldy, n0, rows);
 }
