@@ -197,7 +197,7 @@ def main():
                     help="the first N tokens of --context are the same in every prompt (localrun caches them once)")
     ap.add_argument("--parallel", type=int, default=None,
                     help="the n_parallel localrun's model is built for (default: the largest size); it "
-                         "picks the kernel layout of decode rows (gguf_weight.use_lanes), as serve --parallel does")
+                         "picks the kernel layout of decode rows (gguf_weight.lane_types), as serve --parallel does")
     ap.add_argument("--compare-layouts", action="store_true",
                     help="instead: the integer kernel's rows and lanes layouts, alternating step by step in one "
                          "engine, step time per size (no llama.cpp)")

@@ -15,7 +15,7 @@ import torch
 
 from localrun.gguf_file import GGUFModelFile
 from localrun.loader import file_weights, load_weights
-from localrun.model.gguf_weight import use_lanes
+from localrun.model.gguf_weight import lane_types
 from localrun.model.llama import Transformer
 from localrun.placement import DeviceMap, all_on, parse_layer_count, plan_device_map
 
@@ -48,7 +48,7 @@ def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantize
     else:
         weights = load_weights(file, dtype)
     model = Transformer(file.config, weights, max_positions=n_ctx, device_map=device_map,
-                        quantized=quantized, dtype=dtype, lanes=quantized and use_lanes(n_parallel))
+                        quantized=quantized, dtype=dtype, lanes=lane_types(n_parallel) if quantized else frozenset())
     del weights
     release_free_memory()
     return model

@@ -179,20 +179,23 @@ def test_continuous_batching_equals_each_request_alone(model, prefix_caching, ch
     assert not engine.runner.generators
 
 
-def test_lane_layout_engine_equals_each_request_alone(tiny_gguf):
+@pytest.mark.parametrize("tensor_type", ["Q4_K", "Q8_0"])
+def test_lane_layout_engine_equals_each_request_alone(tiny_gguf, tensor_type):
     """A model built for 8 parallel sequences multiplies decode rows in the lane layout (on
-    AVX2; gguf_weight.use_lanes) in every call, so each request's greedy tokens under
-    continuous batching are its tokens in the same engine alone, and the layout is the one
-    use_lanes names."""
+    AVX2 and AVX-512; Q8_0 on AVX-512 only: gguf_weight.lane_types) in every call, so each
+    request's greedy tokens under continuous batching are its tokens in the same engine alone,
+    and the layout is the one lane_types names."""
     from localrun import kernels
-    from localrun.model.gguf_weight import use_lanes
+    from localrun.model.gguf_weight import lane_types
     if not kernels.available():
         pytest.skip("localrun's kernels did not compile here")
-    model = LLM(tiny_gguf("Q4_K", tied_output=False), dtype="float32", quantized=True, n_threads=1,
+    model = LLM(tiny_gguf(tensor_type, tied_output=False), dtype="float32", quantized=True, n_threads=1,
                 n_parallel=8).model
     wqkv = model.layers[0].attention.wqkv
-    assert use_lanes(8) == (kernels.isa() in ("avx2", "avx512"))
-    assert all(bool(t & kernels.LANES) == use_lanes(8) for t in wqkv.kernel_types), wqkv.kernel_types
+    assert bool(lane_types(8)) == (kernels.isa() in ("avx2", "avx512"))
+    assert all(bool(t & kernels.LANES) == (q in lane_types(8)) for t, q in zip(wqkv.kernel_types, wqkv.qtypes))
+    assert (kernels.KERNEL_TYPES["Q8_0"] in lane_types(8)) == (kernels.isa() == "avx512")
+    assert kernels.KERNEL_TYPES["Q8_0"] not in lane_types(1)
     options = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
     together = run_all(make_engine(model, 0, **options), PROMPTS, GREEDY)
     for seq, prompt in zip(together, PROMPTS):

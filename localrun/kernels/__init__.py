@@ -28,8 +28,8 @@ from localrun.kernels.build import BuildError, build
 # GGML type ids with a kernel (gguf's GGMLQuantizationType values)
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # Set in a type passed to qmatmul: multiply in the lane layout (eight weight rows side by side;
-# localrun/model/gguf_weight.py: use_lanes): AVX2 and AVX-512 give the same bits; the scalar
-# reference has the row layout only.
+# localrun/model/gguf_weight.py: lane_types): AVX2 and AVX-512 give the same bits (Q8_0 has
+# lanes on AVX-512 only); the scalar reference has the row layout only.
 LANES = 1 << 8
 
 

@@ -30,19 +30,29 @@ from localrun import kernels
 PROMPT_GEMM_MIN_ROWS = 32
 PROMPT_TILE_BYTES = 2 << 20         # float32 bytes of one dequantized tile of weight rows
 LANES_MIN_PARALLEL = 1              # sequences decoded together from which decode rows use the lane layout
+Q8_0_LANES_MIN_PARALLEL = 2         # ... and Q8_0's (AVX-512 only), which cost more than its rows for one
 
 
-def use_lanes(n_parallel: int) -> bool:
-    """Whether decode rows use the integer kernel's lane layout (AVX2: eight weight rows side by
-    side, csrc/qmatmul_simd.h) rather than the row layout. Measured in decode steps on Zen 3
+def lane_types(n_parallel: int) -> frozenset[int]:
+    """The GGML types whose decode rows use the integer kernel's lane layout (eight weight rows side
+    by side, csrc/qmatmul_simd.h) rather than the row layout, in an engine built for n_parallel
+    sequences. Measured in decode steps on Zen 3
     (benchmarks/batched_decode.py --compare-layouts, 2026-12-02), the lanes take 0.95-0.99x the
     rows' time with one sequence, 0.88-0.92x with 4 and 0.76-0.80x with 16, so every engine
     (LANES_MIN_PARALLEL = 1) uses them on AVX2; the threshold was 8 while a thread-local lookup
     in the lane kernel's loops made one row 5-10% slower. One engine uses one layout for every
     call, so a row's result never depends on what shares its step (the two layouts differ by
     summation order). AVX-512 hosts run the same lane kernel with VNNI's vpdpbusd for the steps
-    (the same bits as AVX2's: the integer sums are exact either way); see docs/kernels.md."""
-    return n_parallel >= LANES_MIN_PARALLEL and kernels.isa() in ("avx2", "avx512")
+    (the same bits as AVX2's: the integer sums are exact either way); see docs/kernels.md. Q8_0 has
+    lanes on AVX-512 only (VNNI), taken from 2 sequences on: Zen 4, gemma-3-270m (its 262k x 640
+    Q8_0 head), lanes over rows 1.22 at one sequence, 0.78 at 4, 0.63 at 16 (2026-12-03)."""
+    isa = kernels.isa()
+    if n_parallel < LANES_MIN_PARALLEL or isa not in ("avx2", "avx512"):
+        return frozenset()
+    types = {kernels.KERNEL_TYPES[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
+    if isa == "avx512" and n_parallel >= Q8_0_LANES_MIN_PARALLEL:
+        types.add(kernels.KERNEL_TYPES["Q8_0"])
+    return frozenset(types)
 
 
 def tile_rows(k: int) -> int:
@@ -65,11 +75,11 @@ def rows_tensor(raw: np.ndarray) -> torch.Tensor:
 class GGUFWeight:
     """Fused parts (q, k, v or gate, up) stacked along N, each (N_i, row bytes) in its file type."""
 
-    def __init__(self, parts: list[torch.Tensor], qtypes: list[int], k: int, lanes: bool = False):
+    def __init__(self, parts: list[torch.Tensor], qtypes: list[int], k: int, lanes: frozenset[int] = frozenset()):
         self.parts, self.qtypes, self.k = parts, [int(q) for q in qtypes], k
         self.n = sum(p.shape[0] for p in parts)
-        # the integer kernel's types: with kernels.LANES set for the lane layout (use_lanes)
-        self.kernel_types = [q | kernels.LANES if lanes else q for q in self.qtypes]
+        # the integer kernel's types: with kernels.LANES set for the lane layout (lane_types)
+        self.kernel_types = [q | kernels.LANES if q in lanes else q for q in self.qtypes]
 
     def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype."""

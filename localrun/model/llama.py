@@ -331,7 +331,7 @@ class WeightBuilder:
     """Builds the model's weights on their devices, from dequantized tensors (`load_weights`,
     the reference) or from the file's tensors (`file_weights`), kept quantized if `quantized`."""
 
-    def __init__(self, weights: dict, dtype: torch.dtype, quantized: bool, lanes: bool = False):
+    def __init__(self, weights: dict, dtype: torch.dtype, quantized: bool, lanes: frozenset[int] = frozenset()):
         self.weights, self.dtype, self.quantized, self.lanes = weights, dtype, quantized, lanes
 
     def linear(self, names: list[str], device: str):
@@ -409,10 +409,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict, *, max_positions: int,
                  device_map: DeviceMap | None = None, quantized: bool = False, dtype: torch.dtype | None = None,
-                 lanes: bool = False):
+                 lanes: frozenset[int] = frozenset()):
         """weights: name -> tensor (load_weights: dequantized) or FileTensor (file_weights; held
-        quantized where a kernel exists when `quantized`). dtype: the compute dtype. lanes: decode
-        rows in the integer kernel's lane layout (model/gguf_weight.py: use_lanes)."""
+        quantized where a kernel exists when `quantized`). dtype: the compute dtype. lanes: the types
+        whose decode rows use the integer kernel's lane layout (model/gguf_weight.py: lane_types)."""
         super().__init__()
         self.config = config
         embd = weights["token_embd.weight"]

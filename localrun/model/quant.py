@@ -403,10 +403,10 @@ def kind_of(t: FileTensor, device: torch.device, quantized: bool) -> str:
 
 
 def make_weight(parts: list[FileTensor], device: torch.device, dtype: torch.dtype, quantized: bool,
-                lanes: bool = False):
+                lanes: frozenset[int] = frozenset()):
     """The fused weight of parts stacked along N (e.g. q, k, v -> wqkv), held quantized where a
     kernel exists for all of them, else per part (ConcatWeight), else dequantized (PlainWeight).
-    lanes: in-place weights multiply decode rows in the lane layout (gguf_weight.use_lanes)."""
+    lanes: the types whose in-place weights multiply decode rows in the lane layout (gguf_weight.lane_types)."""
     if in_place(parts, device, quantized):
         return GGUFWeight([rows_tensor(p.raw) for p in parts], [int(p.qtype) for p in parts], parts[0].shape[1],
                           lanes)
@@ -427,7 +427,8 @@ def make_weight(parts: list[FileTensor], device: torch.device, dtype: torch.dtyp
 HEAD_INT8_LEVELS = 2
 
 
-def make_embedding(t: FileTensor, device: torch.device, dtype: torch.dtype, quantized: bool, lanes: bool = False):
+def make_embedding(t: FileTensor, device: torch.device, dtype: torch.dtype, quantized: bool,
+                   lanes: frozenset[int] = frozenset()):
     """The token table: two-level int8 rows for a quantized file tensor, so that a tied output
     head can share it (Int8Weight), else plain."""
     if in_place([t], device, quantized):

@@ -534,13 +534,36 @@ static inline void superblock8_q6k(const uint8_t* const* rp, int64_t sb, __m256i
     scales8_q6k(rp, sb, ab);
 }
 
+#ifdef LOCALRUN_VNNI
+// Group g of 8 Q8_0 rows (VNNI only): the signed codes transposed and offset by 128, unsigned
+// for vpdpbusd, with b = -128 d taking the offset back out through the activation's sum
+// (d * sum((q + 128) x) - 128 d * sum(x) = d * sum(q x), the integer sums exact). AVX2's maddubs
+// would saturate on these sums (2 x 255 x 127), so Q8_0 keeps the row layout there: its Q8_0
+// bits differ between the two builds, as the row layout's always have.
+static inline void group8_q8(const uint8_t* const* rp, int64_t g, __m256i* q, float* ab) {
+    const int64_t at = g * 34;
+    __m256i r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + at + 2));
+    transpose8(r, q);
+    for (int st = 0; st < 8; st++) q[st] = _mm256_xor_si256(q[st], _mm256_set1_epi8((char)0x80));
+    __m256 a, unused;
+    halfs8(rp, at, a, unused);
+    const __m256 b = _mm256_mul_ps(a, _mm256_set1_ps(-128.f));
+    _mm256_storeu_ps(ab, a); _mm256_storeu_ps(ab + 8, a);
+    _mm256_storeu_ps(ab + 16, b); _mm256_storeu_ps(ab + 24, b);
+}
+#endif
+
 // The lane kernels decode 8 rows a unit at a time: a group of the 32-value types, a super-block
 // (8 groups) of the K-quants. decode_unit writes unit u's UNIT_GROUPS groups in Tile8's form.
-template <int QT> constexpr int UNIT_GROUPS = LOCKSTEP<QT> ? 1 : 8;
+template <int QT> constexpr int UNIT_GROUPS = (LOCKSTEP<QT> || QT == Q8_0) ? 1 : 8;
 
 template <int QT>
 static inline void decode_unit(const uint8_t* const* rp, int64_t u, __m256i* q, float* ab) {
     if constexpr (LOCKSTEP<QT>) group8<QT>(rp, u, q, ab);
+#ifdef LOCALRUN_VNNI
+    else if constexpr (QT == Q8_0) group8_q8(rp, u, q, ab);
+#endif
     else if constexpr (QT == Q6_K) superblock8_q6k(rp, u, q, ab);
     else superblock8_k4<QT>(rp, u, q, ab);
 }
@@ -930,8 +953,11 @@ bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int
             case Q4_K: lanes_all<Q4_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
             case Q5_K: lanes_all<Q5_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
             case Q6_K: lanes_all<Q6_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
-            default: break;   // Q8_0 keeps the row layout: its codes are whole bytes, so transposing
-                              // them costs more than the lanes save (3x slower at one activation row)
+#ifdef LOCALRUN_VNNI
+            case Q8_0: lanes_all<Q8_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
+#endif
+            default: break;   // AVX2: Q8_0 keeps the row layout (group8_q8; measured on Zen 3, its
+                              // lanes were no faster: the head is bound by its reading)
         }
     }
     switch (qtype) {
