@@ -445,6 +445,14 @@ static inline void group8(const uint8_t* const* rp, int64_t g, __m256i* q, float
     _mm256_storeu_ps(ab + 16, b); _mm256_storeu_ps(ab + 24, b);
 }
 
+// The 32 bytes at byte offset `at` of the 8 rows, transposed: out[s] lane i = bytes 4s .. 4s + 3
+// of row i's 32.
+static inline void words32x8(const uint8_t* const* rp, int64_t at, __m256i* out) {
+    __m256i r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + at));
+    transpose8(r, out);
+}
+
 // The scales of super-block sb of 8 Q4_K or Q5_K rows (bytes per super-block), as Tile8's ab.
 static inline void scales8_k4(const uint8_t* const* rp, int64_t sb, int bytes, float* ab) {
     for (int i = 0; i < 8; i++) {
@@ -486,15 +494,11 @@ static inline void superblock8_k4(const uint8_t* const* rp, int64_t sb, __m256i*
     constexpr int bytes = QT == Q4_K ? 144 : 176, qs_at = QT == Q4_K ? 16 : 48;
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     scales8_k4(rp, sb, bytes, ab);
-    __m256i r[8], qh[8];
-    if constexpr (QT == Q5_K) {        // bit j of qh byte l: the fifth bit of value l of group j
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * bytes + 16));
-        transpose8(r, qh);
-    }
+    __m256i qh[8];                     // Q5_K: bit j of qh byte l is the fifth bit of value l of group j
+    if constexpr (QT == Q5_K) words32x8(rp, sb * bytes + 16, qh);
     for (int c = 0; c < 4; c++) {
         __m256i words[8];
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * bytes + qs_at + 32 * c));
-        transpose8(r, words);
+        words32x8(rp, sb * bytes + qs_at + 32 * c, words);
         __m256i* lo = q + 8 * (2 * c);
         for (int s = 0; s < 8; s++) {
             lo[s] = _mm256_and_si256(words[s], low4);
@@ -514,13 +518,9 @@ static inline void superblock8_k4(const uint8_t* const* rp, int64_t sb, __m256i*
 static inline void superblock8_q6k(const uint8_t* const* rp, int64_t sb, __m256i* q, float* ab) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
     for (int h = 0; h < 2; h++) {
-        __m256i ql[2][8], qh[8], r[8];
-        for (int c = 0; c < 2; c++) {
-            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * 210 + 64 * h + 32 * c));
-            transpose8(r, ql[c]);
-        }
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + sb * 210 + 128 + 32 * h));
-        transpose8(r, qh);
+        __m256i ql[2][8], qh[8];
+        for (int c = 0; c < 2; c++) words32x8(rp, sb * 210 + 64 * h + 32 * c, ql[c]);
+        words32x8(rp, sb * 210 + 128 + 32 * h, qh);
         for (int k = 0; k < 4; k++) {
             __m256i* out = q + 8 * (4 * h + k);
             for (int st = 0; st < 8; st++) {
@@ -542,9 +542,7 @@ static inline void superblock8_q6k(const uint8_t* const* rp, int64_t sb, __m256i
 // bits differ between the two builds, as the row layout's always have.
 static inline void group8_q8(const uint8_t* const* rp, int64_t g, __m256i* q, float* ab) {
     const int64_t at = g * 34;
-    __m256i r[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i*)(rp[i] + at + 2));
-    transpose8(r, q);
+    words32x8(rp, at + 2, q);
     for (int st = 0; st < 8; st++) q[st] = _mm256_xor_si256(q[st], _mm256_set1_epi8((char)0x80));
     __m256 a, unused;
     halfs8(rp, at, a, unused);
