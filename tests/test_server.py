@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -250,11 +251,18 @@ def test_64_concurrent_streams_with_early_disconnects(url):
 
 
 def test_non_stream_client_disconnect_aborts_the_request(url):
+    # The client gives up after the time a whole 240-token request took on this host, while its
+    # request asks for 900 tokens: it goes mid-request on a host of any speed (a fixed 0.3 s was
+    # longer than 240 tokens on a fast one).
+    start = time.perf_counter()
+    httpx.post(f"{url}/v1/completions", json={"prompt": "long one", "max_tokens": 240, "ignore_eos": True}, timeout=60)
+    whole = time.perf_counter() - start
+
     async def main():
-        async with httpx.AsyncClient(timeout=0.3) as client:
+        async with httpx.AsyncClient(timeout=whole) as client:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(f"{url}/v1/completions",
-                                  json={"prompt": "long one", "max_tokens": 240, "ignore_eos": True})
+                                  json={"prompt": "long one", "max_tokens": 900, "ignore_eos": True})
 
     asyncio.run(main())
     assert wait_until(lambda: health(url)["requests_in_flight"] == 0 and health(url)["kv_blocks_used"] == 0)
