@@ -82,7 +82,7 @@ class LLM:
         self.quantized = use_quantized(config.quantized, dtype)
         self.model = build_model(self.file, n_ctx=self.n_ctx, dtype=self.dtype, quantized=self.quantized,
                                  n_gpu_layers=config.n_gpu_layers, n_parallel=config.n_parallel,
-                                 kv_type=config.kv_type)
+                                 kv_type=config.kv_type, prompt_math=config.prompt_math)
         self.plan_summary = self.model.device_map.summary
         self.load_s = time.perf_counter() - t0
         self.disk_cache_config = self._disk_cache_config(config)

@@ -29,6 +29,7 @@ ENGINE_NAMES = {"max_num_seqs": "n_parallel", "max_model_len": "n_ctx", "policy"
                 "watermark": "kv_watermark", "ram_cache_bytes": "cache_ram"}
 ENGINE_DEFAULT_MAX_NUM_SEQS = 16        # LLMEngine(model) alone batches up to 16 sequences
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")    # torch's names; the model computes in one of these
+PROMPT_MATHS = ("int8", "float32")      # how quantized weights multiply prompt rows (model/gguf_weight.py)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class EngineConfig:
     quantized: bool | None = None     # keep Q4_0/Q4_1/Q4_K and Q8_0 weights quantized (torch's weight-only
                                       # kernels); None: yes, unless dtype="float32" is asked for or
                                       # LOCALRUN_REFERENCE=1 (localrun/executor.py)
+    prompt_math: str = "int8"         # prompt rows times quantized weights: "int8" (activations rounded to 8-bit
+                                      # blocks, as decode rows and llama.cpp: 1.5x the prompt speed) or "float32"
+                                      # (the exact model to float32 rounding); model/gguf_weight.py
     n_gpu_layers: int | str | None = "auto"   # 'auto' (layerplan chooses; all-CPU without a GPU) or
                                               # llama.cpp's -ngl count
     # batching and the KV cache
@@ -86,6 +90,8 @@ class EngineConfig:
         parse_layer_count(self.n_gpu_layers)
         if self.kv_type is not None and self.kv_type not in ENGINE_KV_TYPES:
             raise OptionError("kv_type", f"kv_type takes {', '.join(ENGINE_KV_TYPES)}, not {self.kv_type!r}.")
+        if self.prompt_math not in PROMPT_MATHS:
+            raise OptionError("prompt_math", f"prompt_math takes {' or '.join(PROMPT_MATHS)}, not {self.prompt_math!r}.")
         if self.dtype is not None and not _is_compute_dtype(self.dtype):
             raise OptionError("dtype", f"dtype takes {', '.join(COMPUTE_DTYPES)}, not {self.dtype!r}.")
         for name, allow_zero in (("kv_budget_bytes", False), ("cache_disk", False), ("cache_ram", True)):

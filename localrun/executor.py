@@ -15,7 +15,7 @@ import torch
 
 from localrun.gguf_file import GGUFModelFile
 from localrun.loader import file_weights, load_weights
-from localrun.model.gguf_weight import lane_types
+from localrun.model.gguf_weight import weight_math
 from localrun.model.llama import Transformer
 from localrun.placement import DeviceMap, all_on, parse_layer_count, plan_device_map
 
@@ -34,9 +34,10 @@ def use_quantized(quantized: bool | None, dtype: torch.dtype | str | None) -> bo
 
 def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantized: bool,
                 n_gpu_layers=None, device_map: DeviceMap | None = None, n_parallel: int = 1,
-                kv_type: str | None = None) -> Transformer:
+                kv_type: str | None = None, prompt_math: str = "int8") -> Transformer:
     """The Transformer of `file` placed by `device_map`, or by layerplan for `n_gpu_layers`
-    ('auto', None or a number; all-CPU on a machine without a GPU)."""
+    ('auto', None or a number; all-CPU on a machine without a GPU). prompt_math: how quantized
+    weights multiply prompt rows (EngineConfig.prompt_math, model/gguf_weight.py)."""
     if device_map is None:
         if parse_layer_count(n_gpu_layers) in (None, 0) and not torch.cuda.is_available():
             device_map = all_on("cpu", file.config.n_layers)
@@ -48,7 +49,8 @@ def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantize
     else:
         weights = load_weights(file, dtype)
     model = Transformer(file.config, weights, max_positions=n_ctx, device_map=device_map,
-                        quantized=quantized, dtype=dtype, lanes=lane_types(n_parallel) if quantized else frozenset())
+                        quantized=quantized, dtype=dtype,
+                        math=weight_math(n_parallel, prompt_math))
     del weights
     release_free_memory()
     return model

@@ -131,24 +131,53 @@ def read_llama_gguf(path: str | Path, lazy: tuple[str, ...] = ()) -> tuple[Llama
 HEAD_CHUNK = 8192      # output rows dequantized at a time
 
 
-def naive_logits(path: str | Path, token_ids: list[int] | np.ndarray) -> np.ndarray:
-    """Next-token logits at every position, shape (len(token_ids), n_vocab), float64."""
+# The GGML types localrun's integer kernel multiplies in place (localrun/kernels: KERNEL_TYPES),
+# whose activations it rounds to 8-bit blocks first; written out here, not imported.
+INT8_ACTIVATION_TYPES = {gguf.GGMLQuantizationType[name] for name in
+                         ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+
+
+def q8_activations(x: np.ndarray) -> np.ndarray:
+    """Activation rows (M, K) as the integer kernel sees them (and ggml's q8_0): per 32 values,
+    d = amax / 127 and q = round-half-even(x * 127 / amax), in float32 as the kernel computes
+    them; returned as q * d."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(blocks * inv) * (amax / np.float32(127))).reshape(m, k)
+
+
+def naive_logits(path: str | Path, token_ids: list[int] | np.ndarray, int8_activations: bool = False) -> np.ndarray:
+    """Next-token logits at every position, shape (len(token_ids), n_vocab), float64.
+    int8_activations: the rows multiplied by a weight of INT8_ACTIVATION_TYPES are first rounded
+    as q8_activations rounds them (localrun's `prompt_math="int8"` and every decode row, and
+    llama.cpp's q8_0 activations); the rest of the forward stays float64."""
     hp, w = read_llama_gguf(path, lazy=("token_embd.weight", "output.weight"))
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    rounded = {name for name, t in types.items() if t in INT8_ACTIVATION_TYPES} if int8_activations else set()
+
+    def linear(h: np.ndarray, name: str) -> np.ndarray:
+        return (q8_activations(h) if name in rounded else h) @ w[name].T
+
     eps, gemma = hp.rms_norm_eps, hp.architecture == "gemma3"
     x = w["token_embd.weight"].rows(np.asarray(token_ids))  # (T, n_embd)
     if gemma:
         x = x * np.sqrt(hp.n_embd)
     for i in range(hp.n_layers):
-        attn = attention(rms_norm(x, w[f"blk.{i}.attn_norm.weight"], eps), w, i, hp)
+        attn = attention(rms_norm(x, w[f"blk.{i}.attn_norm.weight"], eps), w, i, hp, linear)
         if gemma:
             attn = rms_norm(attn, w[f"blk.{i}.post_attention_norm.weight"], eps)
         x = x + attn
-        ffn = feed_forward(rms_norm(x, w[f"blk.{i}.ffn_norm.weight"], eps), w, i, gelu=gemma)
+        ffn = feed_forward(rms_norm(x, w[f"blk.{i}.ffn_norm.weight"], eps), w, i, gelu=gemma, linear=linear)
         if gemma:
             ffn = rms_norm(ffn, w[f"blk.{i}.post_ffw_norm.weight"], eps)
         x = x + ffn
-    output = w.get("output.weight", w["token_embd.weight"])  # (n_vocab, n_embd), rows on request
+    head = "output.weight" if "output.weight" in w else "token_embd.weight"
+    output = w[head]                                         # (n_vocab, n_embd), rows on request
     h = rms_norm(x, w["output_norm.weight"], eps)
+    if head in rounded:
+        h = q8_activations(h)
     return np.concatenate([h @ output.rows(slice(a, a + HEAD_CHUNK)).T for a in range(0, output.shape[0], HEAD_CHUNK)],
                           axis=1)
 
@@ -178,12 +207,18 @@ def rope_halves(x: np.ndarray, position: float, base: float, freq_scale: float =
     return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
 
 
-def attention(h: np.ndarray, w: dict[str, np.ndarray], layer: int, hp: LlamaHyperparams) -> np.ndarray:
-    """Causal GQA self-attention of the normed hidden states h (T, n_embd)."""
+def plain_linear(w: dict[str, np.ndarray]):
+    return lambda h, name: h @ w[name].T
+
+
+def attention(h: np.ndarray, w: dict[str, np.ndarray], layer: int, hp: LlamaHyperparams, linear=None) -> np.ndarray:
+    """Causal GQA self-attention of the normed hidden states h (T, n_embd). linear(h, name):
+    h times weight `name` transposed (naive_logits' rounding of activations, or none)."""
+    linear = linear or plain_linear(w)
     n_tokens, hd, p = h.shape[0], hp.head_dim, f"blk.{layer}."
-    q = h @ w[p + "attn_q.weight"].T + w.get(p + "attn_q.bias", 0.0)
-    k = h @ w[p + "attn_k.weight"].T + w.get(p + "attn_k.bias", 0.0)
-    v = h @ w[p + "attn_v.weight"].T + w.get(p + "attn_v.bias", 0.0)
+    q = linear(h, p + "attn_q.weight") + w.get(p + "attn_q.bias", 0.0)
+    k = linear(h, p + "attn_k.weight") + w.get(p + "attn_k.bias", 0.0)
+    v = linear(h, p + "attn_v.weight") + w.get(p + "attn_v.bias", 0.0)
     q, k = q.reshape(n_tokens, hp.n_head, hd), k.reshape(n_tokens, hp.n_head_kv, hd)
     v = v.reshape(n_tokens, hp.n_head_kv, hd)
     if p + "attn_q_norm.weight" in w:
@@ -206,17 +241,18 @@ def attention(h: np.ndarray, w: dict[str, np.ndarray], layer: int, hp: LlamaHype
             probs = np.exp(scores - scores.max())
             probs /= probs.sum()
             out[t, head] = probs @ v[first: t + 1, kv_head]
-    return out.reshape(n_tokens, hp.n_head * hd) @ w[f"blk.{layer}.attn_output.weight"].T
+    return linear(out.reshape(n_tokens, hp.n_head * hd), f"blk.{layer}.attn_output.weight")
 
 
-def feed_forward(h: np.ndarray, w: dict[str, np.ndarray], layer: int, gelu: bool = False) -> np.ndarray:
-    gate = h @ w[f"blk.{layer}.ffn_gate.weight"].T
-    up = h @ w[f"blk.{layer}.ffn_up.weight"].T
+def feed_forward(h: np.ndarray, w: dict[str, np.ndarray], layer: int, gelu: bool = False, linear=None) -> np.ndarray:
+    linear = linear or plain_linear(w)
+    gate = linear(h, f"blk.{layer}.ffn_gate.weight")
+    up = linear(h, f"blk.{layer}.ffn_up.weight")
     if gelu:   # ggml_gelu: the tanh approximation
         act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
     else:
         act = gate / (1.0 + np.exp(-gate))
-    return (act * up) @ w[f"blk.{layer}.ffn_down.weight"].T
+    return linear(act * up, f"blk.{layer}.ffn_down.weight")
 
 
 # Comparisons of logits live in fidelity.py; these names stay for the tests that import them here.

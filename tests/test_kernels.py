@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 
 from localrun import kernels
 from localrun.cpu_info import cpu_info
+from reference_forward import q8_activations
 
 pytestmark = [pytest.mark.numerics,
               pytest.mark.skipif(not kernels.available(), reason="localrun's kernels did not compile here")]
@@ -42,14 +43,7 @@ def random_blocks(qtype: QT, n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def q8_reference(x: np.ndarray) -> np.ndarray:
-    """The activations as the kernels see them: per 32 values, d = amax / 127 and
-    q = round-half-even(x * 127 / amax), in float32 as the kernels compute them."""
-    m, k = x.shape
-    blocks = x.reshape(m, k // 32, 32).astype(np.float32)
-    amax = np.abs(blocks).max(-1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    return (np.rint(blocks * inv) * (amax / np.float32(127))).reshape(m, k)
+q8_reference = q8_activations        # the activations as the kernels see them
 
 
 def shape_for(qtype: QT) -> tuple[int, int]:

@@ -122,10 +122,12 @@ def test_parts_of_different_types_fuse_in_place(tiny_gguf):
 def test_prompt_rows_gemm_in_tiles_equals_whole_weight(tiny_gguf, monkeypatch, tile):
     """Prompt rows (32 or more) go through the GEMM one dequantized tile of weight rows at a time,
     written into their columns of the output; whatever the tile (the whole weight, 16 rows, 48
-    rows: parts cut unevenly), the result is the product with the whole dequantized weight."""
+    rows: parts cut unevenly), the result is the product with the whole dequantized weight
+    (prompt_math "float32": float activations)."""
     q4 = ffn_tensor(tiny_gguf("Q4_0"), "blk.0.attn_q.weight")
     q6 = ffn_tensor(tiny_gguf("Q6_K"), "blk.0.attn_k.weight")
-    w = make_weight([q4, q6], torch.device("cpu"), torch.float32, quantized=True)
+    w = make_weight([q4, q6], torch.device("cpu"), torch.float32, quantized=True,
+                    math=gguf_weight.WeightMath(prompt="float32"))
     assert q4.shape[0] % 48 != 0
     if tile:
         monkeypatch.setattr(gguf_weight, "PROMPT_TILE_BYTES", 4 * w.k * tile)
@@ -271,3 +273,25 @@ def test_decode_rows_round_the_same_in_any_batch(tiny_gguf):
         assert len(mine) == len(theirs) == 11 and all(torch.equal(a, b) for a, b in zip(mine, theirs))
     drafted, _ = run(prompts, speculative=SpeculativeConfig("ngram", 4, adaptive=False))
     assert drafted == together_tokens
+
+
+@needs_kernels
+@pytest.mark.parametrize("lanes", [False, True])
+def test_int8_prompt_rows_are_decode_rows(tiny_gguf, lanes):
+    """With prompt_math "int8" (the default) a prompt row is multiplied exactly as a decode row:
+    40 prompt rows (past PROMPT_GEMM_MIN_ROWS), the same rows behind 3 decode rows, and each row
+    alone as a decode row give the same bits, in either kernel layout; and the product is the
+    8-bit activations' (q8_activations) times the dequantized weight."""
+    from reference_forward import q8_activations
+    q4 = ffn_tensor(tiny_gguf("Q4_0"), "blk.0.attn_q.weight")
+    q6 = ffn_tensor(tiny_gguf("Q6_K"), "blk.0.attn_k.weight")
+    types = frozenset({int(q4.qtype), int(q6.qtype)}) if lanes else frozenset()
+    w = make_weight([q4, q6], torch.device("cpu"), torch.float32, quantized=True,
+                    math=gguf_weight.WeightMath(lanes=types))
+    x = torch.randn(gguf_weight.PROMPT_GEMM_MIN_ROWS + 8, w.k, generator=torch.Generator().manual_seed(2))
+    prompt = w(x)
+    assert torch.equal(w(x, decode_rows=3), prompt)
+    for i in (0, 17, len(x) - 1):
+        assert torch.equal(w(x[i:i + 1], decode_rows=1)[0], prompt[i])
+    exact = q8_activations(x.numpy()).astype(np.float64) @ np.concatenate([q4.to_float(), q6.to_float()]).T
+    np.testing.assert_allclose(prompt.numpy(), exact, rtol=0, atol=2e-6 * np.abs(exact).max())

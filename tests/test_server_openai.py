@@ -20,8 +20,12 @@ def client():
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+# A question whose first reply token is no near-tie for the model: "What is the capital of
+# France?" opened with "The" 0.09 nats ahead of "La" in the exact model (llama.cpp: 0.086), so
+# one rounding draw of 8-bit activations (prompt_math int8, float16 KV) answered "La femme de
+# France, ..."; here the top two are 1.3-1.7 nats apart in every prompt math and KV type.
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France?"}]
+            {"role": "user", "content": "Name the capital of France."}]
 
 
 def test_models_list(client):

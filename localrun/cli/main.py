@@ -15,7 +15,7 @@ from rich.table import Table
 
 from localrun.cli.cache import cache_app
 from localrun.cli.options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
-                                   GpuLayersOpt, KvTypeOpt, ModelArg, NoDiskCacheOpt, SpecOpt, ThreadsOpt, engine_config,
+                                   GpuLayersOpt, KvTypeOpt, ModelArg, NoDiskCacheOpt, PromptMathOpt, SpecOpt, ThreadsOpt, engine_config,
                                    in_flag_words, load_llm)
 from localrun.cli.plan import plan
 from localrun.cli.tune import tune
@@ -60,12 +60,12 @@ def chat(model: Optional[str] = ModelArg,
          no_disk_cache: bool = NoDiskCacheOpt, cache_disk: Optional[str] = CacheDiskOpt,
          cache_ram: Optional[str] = CacheRamOpt,
          draft_model: Optional[str] = DraftModelOpt, spec: Optional[str] = SpecOpt,
-         draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt):
+         draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt, prompt_math: str = PromptMathOpt):
     """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply.
     A full context drops the oldest turns (never the system prompt), with a notice."""
     config = engine_config(ctx=ctx, threads=threads, kv_type=kv_type, gpu_layers=gpu_layers, draft_model=draft_model,
                            spec=spec, draft_max=draft_max, cache_dir=cache_dir, no_disk_cache=no_disk_cache,
-                           cache_disk=cache_disk, cache_ram=cache_ram, n_parallel=1)
+                           cache_disk=cache_disk, cache_ram=cache_ram, prompt_math=prompt_math, n_parallel=1)
     llm = load_llm(model, config)
     _warn_template(llm)
     base = [{"role": "system", "content": system}] if system else []
@@ -147,10 +147,11 @@ def generate(model: Optional[str] = ModelArg,
              as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
              ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
              kv_type: Optional[str] = KvTypeOpt, draft_model: Optional[str] = DraftModelOpt,
-             spec: Optional[str] = SpecOpt, draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt):
+             spec: Optional[str] = SpecOpt, draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt,
+             prompt_math: str = PromptMathOpt):
     """One-shot completion of a prompt."""
     config = engine_config(ctx=ctx, threads=threads, kv_type=kv_type, gpu_layers=gpu_layers, draft_model=draft_model,
-                           spec=spec, draft_max=draft_max, n_parallel=1)
+                           spec=spec, draft_max=draft_max, prompt_math=prompt_math, n_parallel=1)
     llm = load_llm(model, config)
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)

@@ -21,6 +21,9 @@ ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: t
                           "the physical cores).")
 KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8 (default: f16 for "
                          "float32 models, else the compute dtype).")
+PromptMathOpt = typer.Option("int8", "--prompt-math", help="Prompt rows times quantized weights: int8 "
+                             "(activations rounded to 8 bits, as decode rows and llama.cpp; faster) or float32 "
+                             "(the exact model, for evaluation).")
 GpuLayersOpt = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU without a "
                             "GPU) or the number of layers on the GPU (llama.cpp's -ngl: the last N; n_layers+1 "
                             "adds the output head).")
@@ -80,10 +83,10 @@ def speculative_options(draft_model: str | None, spec: str | None) -> dict:
 
 def engine_config(*, ctx=None, threads=None, kv_type=None, gpu_layers="auto", draft_model=None, spec=None,
                   draft_max=4, cache_dir=None, no_disk_cache=True, cache_disk=None, cache_ram=None,
-                  **options) -> EngineConfig:
+                  prompt_math="int8", **options) -> EngineConfig:
     """The EngineConfig of the shared flags (the names above, as the commands take them), plus
     EngineConfig fields by their own names; the disk cache is on unless no_disk_cache."""
-    return EngineConfig(n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_gpu_layers=gpu_layers,
+    return EngineConfig(n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_gpu_layers=gpu_layers, prompt_math=prompt_math,
                         num_speculative_tokens=draft_max, disk_cache=not no_disk_cache, cache_dir=cache_dir,
                         cache_disk=cache_disk, cache_ram=cache_ram, **speculative_options(draft_model, spec),
                         **options)

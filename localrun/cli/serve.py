@@ -14,7 +14,7 @@ from rich.console import Console
 from localrun.cli.options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
                                    GpuLayersOpt, KvBudgetOpt, KvTypeOpt, MaxBatchedTokensOpt, ModelArg,
                                    NoChunkedPrefillOpt, NoDiskCacheOpt, NoPrefixCacheOpt, OutputReserveOpt, ParallelOpt,
-                                   ScheduleOpt, SpecOpt, ThreadsOpt, engine_config, load_llm)
+                                   PromptMathOpt, ScheduleOpt, SpecOpt, ThreadsOpt, engine_config, load_llm)
 from localrun.errors import UserError
 from localrun.server import DEFAULT_MAX_QUEUE
 
@@ -66,7 +66,7 @@ def serve(model: Optional[str] = ModelArg,
           no_chunked_prefill: bool = NoChunkedPrefillOpt, kv_budget: Optional[str] = KvBudgetOpt,
           no_prefix_cache: bool = NoPrefixCacheOpt, cache_dir: Optional[str] = CacheDirOpt,
           no_disk_cache: bool = NoDiskCacheOpt, cache_disk: Optional[str] = CacheDiskOpt,
-          cache_ram: Optional[str] = CacheRamOpt, gpu_layers: str = GpuLayersOpt,
+          cache_ram: Optional[str] = CacheRamOpt, gpu_layers: str = GpuLayersOpt, prompt_math: str = PromptMathOpt,
           draft_model: Optional[str] = DraftModelOpt, spec: Optional[str] = SpecOpt, draft_max: int = DraftMaxOpt,
           alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients use (default: the name given)."),
           strict_model_name: bool = typer.Option(False, "--strict-model-name", help="Answer 404 to requests naming "
@@ -103,7 +103,7 @@ def serve(model: Optional[str] = ModelArg,
                   "this address can use the model")
     config = engine_config(ctx=ctx, threads=threads, kv_type=kv_type, gpu_layers=gpu_layers, draft_model=draft_model,
                            spec=spec, draft_max=draft_max, cache_dir=cache_dir, no_disk_cache=no_disk_cache,
-                           cache_disk=cache_disk, cache_ram=cache_ram, n_parallel=parallel,
+                           cache_disk=cache_disk, cache_ram=cache_ram, prompt_math=prompt_math, n_parallel=parallel,
                            max_num_batched_tokens=max_batched_tokens or DEFAULT_BATCHED_TOKENS,
                            enable_chunked_prefill=not no_chunked_prefill, kv_budget_bytes=kv_budget,
                            enable_prefix_caching=not no_prefix_cache, scheduling=schedule,

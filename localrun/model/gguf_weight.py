@@ -2,25 +2,32 @@
 localrun's compiled kernels (localrun/kernels). Nothing is converted at load, so resident
 memory grows only by the pages a forward touches, and processes share the page cache.
 
-- Decode rows (the first `decode_rows` rows of a call, which the model runner names) always go
-  through the integer kernel, which computes every row on its own: a sequence's decode and
-  verify rows give bit-identical results whatever else shares the step.
-- Prompt rows keep float32 activations: below PROMPT_GEMM_MIN_ROWS rows the kernel multiplies
-  them by the dequantized weight, a few weight rows (AVX2, from 5 rows) or groups at a time
-  (qmatmul_f32); from there on the weight is dequantized to
-  float32 a tile of rows at a time (PROMPT_TILE_BYTES) and multiplied by torch's GEMM into its
-  columns of the output, several times faster there (docs/kernels.md). The tile stays in cache
-  and its buffer is reused from the heap: a whole weight dequantized at once (7-32 MB) came from
-  fresh pages on every call (thousands of page faults each) and ran slower (figures in
-  docs/kernels.md). Both compute the same product up to summation order, with no rounding
-  step in between, so a prompt split into other chunks (a prefix cache hit, a restart from the
-  disk cache) gives the same text. Rounding prompt activations to 8 bits instead made such
-  splits differ by ~1e-3 (one activation code flipping), enough to change greedy text at
-  near-ties; prompt rows also decide the first token, where float32 follows the reference.
+How a weight multiplies its rows is a `WeightMath`, one per model (executor.build_model):
+- Decode and verify rows (the first `decode_rows` rows of a call, which the model runner names)
+  always go through the integer kernel: each activation row is rounded once to 8-bit blocks of
+  32 (as ggml's q8_0) and multiplied with integer dot products, every row on its own, so a
+  sequence's decode rows give the same bits whatever else shares the step.
+- Prompt rows, with `prompt="int8"` (the default, EngineConfig.prompt_math): the same kernel, so
+  a prompt row is computed as a decode row is, as llama.cpp computes every row. 1.5x the
+  prompt speed of the float path on Zen 4 (docs/kernels.md). Its error is that of 8-bit
+  activations, llama.cpp's: mean KL 3.9e-3 (SmolLM2) and 2.3e-3 (gemma-3) from the exact float64
+  model, llama.cpp's own 3.6e-3 and 5.5e-3 (docs/kernels.md); and since the rounding of one
+  activation code can flip on a 1e-7 change of its input, a prompt split into other chunks
+  (a prefix-cache hit, a restart from the disk cache) or a float16 instead of float32 KV cache
+  draws that error again: the same text except at near-ties of the model.
+- Prompt rows with `prompt="float32"`: float32 activations, the exact model to float32
+  rounding. Below PROMPT_GEMM_MIN_ROWS rows the kernel multiplies them by the dequantized
+  weight (qmatmul_f32); from there on the weight is dequantized to float32 a tile of rows at a
+  time (PROMPT_TILE_BYTES) and multiplied by torch's GEMM into its columns of the output. The
+  tile stays in cache and its buffer is reused from the heap: a whole weight dequantized at once
+  (7-32 MB) came from fresh pages on every call (thousands of page faults each) and ran slower
+  (figures in docs/kernels.md). Both compute the same product up to summation order, with no
+  rounding step in between, so prompts split into other chunks agree to float32 rounding.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +38,18 @@ PROMPT_GEMM_MIN_ROWS = 32
 PROMPT_TILE_BYTES = 2 << 20         # float32 bytes of one dequantized tile of weight rows
 LANES_MIN_PARALLEL = 1              # sequences decoded together from which decode rows use the lane layout
 Q8_0_LANES_MIN_PARALLEL = 2         # ... and Q8_0's (AVX-512 only), which cost more than its rows for one
+
+
+@dataclass(frozen=True)
+class WeightMath:
+    """How a model's in-place weights multiply rows (the module's docstring says why)."""
+    lanes: frozenset[int] = frozenset()   # the types whose integer-kernel rows use the lane layout (lane_types)
+    prompt: str = "int8"                  # prompt rows: "int8" (the integer kernel, as decode rows) or "float32"
+
+
+def weight_math(n_parallel: int, prompt: str = "int8") -> WeightMath:
+    """The WeightMath of an engine built for n_parallel sequences on this host."""
+    return WeightMath(lane_types(n_parallel), prompt)
 
 
 def lane_types(n_parallel: int) -> frozenset[int]:
@@ -75,17 +94,18 @@ def rows_tensor(raw: np.ndarray) -> torch.Tensor:
 class GGUFWeight:
     """Fused parts (q, k, v or gate, up) stacked along N, each (N_i, row bytes) in its file type."""
 
-    def __init__(self, parts: list[torch.Tensor], qtypes: list[int], k: int, lanes: frozenset[int] = frozenset()):
+    def __init__(self, parts: list[torch.Tensor], qtypes: list[int], k: int, math: WeightMath = WeightMath()):
         self.parts, self.qtypes, self.k = parts, [int(q) for q in qtypes], k
         self.n = sum(p.shape[0] for p in parts)
         # the integer kernel's types: with kernels.LANES set for the lane layout (lane_types)
-        self.kernel_types = [q | kernels.LANES if q in lanes else q for q in self.qtypes]
+        self.kernel_types = [q | kernels.LANES if q in math.lanes else q for q in self.qtypes]
+        self.prompt_int8 = math.prompt == "int8"
 
     def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype."""
         flat = x.reshape(-1, self.k).float()
         d = min(decode_rows, flat.shape[0])
-        if d == flat.shape[0]:                                      # decode and verify rows only
+        if d == flat.shape[0] or self.prompt_int8:                  # every row through the integer kernel
             y = kernels.qmatmul(flat, self.parts, self.kernel_types)
         else:
             rest = flat[d:]

@@ -23,6 +23,7 @@ from torch import nn
 from localrun import kernels
 from localrun.config import ModelConfig
 from localrun.model.fused_block import FusedDecode
+from localrun.model.gguf_weight import WeightMath
 from localrun.model.quant import FileTensor, Int8Weight, PlainWeight, int8_backend, make_embedding, make_weight
 from localrun.placement import DeviceMap, all_on
 
@@ -331,19 +332,19 @@ class WeightBuilder:
     """Builds the model's weights on their devices, from dequantized tensors (`load_weights`,
     the reference) or from the file's tensors (`file_weights`), kept quantized if `quantized`."""
 
-    def __init__(self, weights: dict, dtype: torch.dtype, quantized: bool, lanes: frozenset[int] = frozenset()):
-        self.weights, self.dtype, self.quantized, self.lanes = weights, dtype, quantized, lanes
+    def __init__(self, weights: dict, dtype: torch.dtype, quantized: bool, math: WeightMath = WeightMath()):
+        self.weights, self.dtype, self.quantized, self.math = weights, dtype, quantized, math
 
     def linear(self, names: list[str], device: str):
         parts = [self.weights[n] for n in names]
         if isinstance(parts[0], FileTensor):
-            return make_weight(parts, torch.device(device), self.dtype, self.quantized, self.lanes)
+            return make_weight(parts, torch.device(device), self.dtype, self.quantized, self.math)
         return PlainWeight(torch.cat(parts).to(device=device, dtype=self.dtype))
 
     def embedding(self, name: str, device: str):
         t = self.weights[name]
         if isinstance(t, FileTensor):
-            return make_embedding(t, torch.device(device), self.dtype, self.quantized, self.lanes)
+            return make_embedding(t, torch.device(device), self.dtype, self.quantized, self.math)
         return PlainWeight(t.to(device=device, dtype=self.dtype))
 
     def bias(self, names: list[str], device: str) -> torch.Tensor | None:
@@ -409,17 +410,17 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict, *, max_positions: int,
                  device_map: DeviceMap | None = None, quantized: bool = False, dtype: torch.dtype | None = None,
-                 lanes: frozenset[int] = frozenset()):
+                 math: WeightMath = WeightMath()):
         """weights: name -> tensor (load_weights: dequantized) or FileTensor (file_weights; held
-        quantized where a kernel exists when `quantized`). dtype: the compute dtype. lanes: the types
-        whose decode rows use the integer kernel's lane layout (model/gguf_weight.py: lane_types)."""
+        quantized where a kernel exists when `quantized`). dtype: the compute dtype. math: how
+        in-place weights multiply rows (model/gguf_weight.py: WeightMath)."""
         super().__init__()
         self.config = config
         embd = weights["token_embd.weight"]
         self.dtype = dtype or (embd.dtype if isinstance(embd, torch.Tensor) else torch.float32)
         self.device_map = dm = device_map or all_on("cpu", config.n_layers)
         assert len(dm.layer_devices) == config.n_layers
-        build = WeightBuilder(weights, self.dtype, quantized, lanes)
+        build = WeightBuilder(weights, self.dtype, quantized, math)
         fused = quantized and kernels.available()      # the reference path keeps torch's ops
         self.fused = fused and all(torch.device(d).type == "cpu" for d in dm.layer_devices)
         self.tok_embeddings = build.embedding("token_embd.weight", dm.embedding_device)   # (V, D)

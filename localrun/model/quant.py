@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
 
-from localrun.model.gguf_weight import GGUFWeight, kernel_types, rows_tensor
+from localrun.model.gguf_weight import GGUFWeight, WeightMath, kernel_types, rows_tensor
 
 GROUP = 32                                   # values per int4 scale, as the 32-value GGUF blocks
 INT4_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
@@ -403,16 +403,16 @@ def kind_of(t: FileTensor, device: torch.device, quantized: bool) -> str:
 
 
 def make_weight(parts: list[FileTensor], device: torch.device, dtype: torch.dtype, quantized: bool,
-                lanes: frozenset[int] = frozenset()):
+                math: WeightMath = WeightMath()):
     """The fused weight of parts stacked along N (e.g. q, k, v -> wqkv), held quantized where a
     kernel exists for all of them, else per part (ConcatWeight), else dequantized (PlainWeight).
-    lanes: the types whose in-place weights multiply decode rows in the lane layout (gguf_weight.lane_types)."""
+    math: how in-place weights multiply rows (gguf_weight.WeightMath)."""
     if in_place(parts, device, quantized):
         return GGUFWeight([rows_tensor(p.raw) for p in parts], [int(p.qtype) for p in parts], parts[0].shape[1],
-                          lanes)
+                          math)
     kinds = [kind_of(p, device, quantized) for p in parts]
     if len(set(kinds)) > 1:
-        return ConcatWeight([make_weight([p], device, dtype, quantized, lanes) for p in parts])
+        return ConcatWeight([make_weight([p], device, dtype, quantized, math) for p in parts])
     kind = kinds[0]
     if kind == "int4":
         groups = [int4_groups(p.raw, p.qtype, p.shape) for p in parts]
@@ -428,11 +428,11 @@ HEAD_INT8_LEVELS = 2
 
 
 def make_embedding(t: FileTensor, device: torch.device, dtype: torch.dtype, quantized: bool,
-                   lanes: frozenset[int] = frozenset()):
+                   math: WeightMath = WeightMath()):
     """The token table: two-level int8 rows for a quantized file tensor, so that a tied output
     head can share it (Int8Weight), else plain."""
     if in_place([t], device, quantized):
-        return GGUFWeight([rows_tensor(t.raw)], [int(t.qtype)], t.shape[1], lanes)
+        return GGUFWeight([rows_tensor(t.raw)], [int(t.qtype)], t.shape[1], math)
     if quantized and t.qtype not in (QT.F32, QT.F16, QT.BF16):
         return Int8Weight.from_float(t.to_float(), device, levels=HEAD_INT8_LEVELS, split_activations=True,
                                      refine_top=True)
