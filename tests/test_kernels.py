@@ -108,7 +108,8 @@ def test_rows_are_bit_identical_in_any_batch(layout):
     """A row's output is the same bits alone, in any subset, at any position of the call, in
     either layout (lanes: 8 weight rows side by side, partial tiles at 11, 13, 17 and 3 rows;
     calls of up to a tile pass's rows decode each group and use it at once, larger ones build the
-    tile first: both are compared here)."""
+    tile first, and on AVX-512 calls of 16 rows or more multiply two tiles (16 lanes) per register,
+    partial second tiles at 11, 13 and 9 rows: all are compared here)."""
     rng = np.random.default_rng(4)
     types = [QT.Q4_K, QT.Q6_K, QT.Q5_1, QT.Q4_1, QT.Q8_0, QT.Q5_K, QT.Q5_0, QT.Q4_0]
     parts = [random_blocks(QT.Q4_K, 40, 512, seed=5), random_blocks(QT.Q6_K, 24, 512, seed=6),
@@ -204,8 +205,8 @@ from test_kernels import TYPES, random_blocks, shapes_for
 from localrun import kernels
 h = hashlib.md5()
 for qtype, (n, k) in [(t, s) for t in TYPES if t.name != "Q8_0" for s in shapes_for(t)]:
-    x = np.random.default_rng(2).standard_normal((13, k)).astype(np.float32)
-    for rows in (13, 3, 1):          # through the tile, and decoded and used at once
+    x = np.random.default_rng(2).standard_normal((37, k)).astype(np.float32)
+    for rows in (37, 13, 3, 1):      # AVX-512: two tiles per register; the tile; decoded and used at once
         y = kernels.qmatmul(torch.from_numpy(x[:rows]), [torch.from_numpy(random_blocks(qtype, n, k))],
                             [int(qtype) | kernels.LANES])
         h.update(y.numpy().tobytes())
