@@ -197,19 +197,25 @@ def test_quantized_kv_of_a_windowed_model_through_the_paged_kernel(tmp_path, kv_
     assert with_kernel == generate(False)
 
 
-@pytest.mark.parametrize("t,offset,window", [(5, 0, 8), (700, 0, 64), (600, 37, 100), (513, 900, 512), (300, 10, 3)])
+@pytest.mark.parametrize("t,offset,window", [(5, 0, 8), (40, 20, 64), (700, 0, 64), (600, 37, 100), (513, 900, 512),
+                                              (300, 10, 3)])
 def test_windowed_prompt_attention_equals_float64_masked_softmax(t, offset, window):
     """A prompt chunk of t queries (positions P-t..P-1) in a sliding-window layer, its queries in
     blocks of WINDOW_QUERY_BLOCK, each over its own window of keys: the same as a float64 softmax
     over exactly the keys p with P-t+i - window < p <= P-t+i, for chunks of one block and of
-    several, with and without keys cached before them (k_all holds positions offset..P-1)."""
+    several, with and without keys cached before them (k_all holds positions offset..P-1); and
+    chunks whose every query sees every key held (5 in a window of 8; 40 after 20 cached, window
+    64), which take plain causal attention."""
     from types import SimpleNamespace
     from localrun.model.llama import Attention
     g = torch.Generator().manual_seed(t + offset)
     H, n_kv, hd, L = 4, 2, 16, t + min(offset, 2 * window)
     q = torch.randn(t, H, hd, generator=g)
     k, v = torch.randn(n_kv, L, hd, generator=g), torch.randn(n_kv, L, hd, generator=g)
-    got = Attention._attend_window(SimpleNamespace(window=window), q, k, v, rowwise=False, offset=offset)
+    layer = SimpleNamespace(window=window, n_head=H, n_head_kv=n_kv)
+    layer._attend_causal = lambda *a: Attention._attend_causal(layer, *a)
+    layer._attend_after_cached = lambda *a: Attention._attend_after_cached(layer, *a)
+    got = Attention._attend_window(layer, q, k, v, rowwise=False, offset=offset)
     P = offset + L
     qd, kd, vd = q.double(), k.double(), v.double()
     for i in range(t):

@@ -242,6 +242,12 @@ class Attention(nn.Module):
         if seg.rowwise and t > 1:     # row i: one query over keys 0..L-t+i, as a decode step
             return torch.cat([sdpa(q[i:i + 1], k_all[:, :L - t + i + 1], v_all[:, :L - t + i + 1])
                               for i in range(t)])
+        return self._attend_causal(q, k_all, v_all)
+
+    def _attend_causal(self, q, k_all, v_all) -> torch.Tensor:
+        """Queries (t, H, hd) at the last t of the L positions of k_all, v_all (n_kv, L, hd),
+        query i over keys 0..L-t+i."""
+        t, L = q.shape[0], k_all.shape[1]
         mask, causal = None, False
         if t > 1 and L == t:
             causal = True
@@ -265,6 +271,8 @@ class Attention(nn.Module):
                 lo, hi = max(first, p - w + 1) - first, p + 1 - first
                 rows.append(sdpa(q[i:i + 1], k_all[:, lo:hi], v_all[:, lo:hi]))
             return torch.cat(rows)
+        if end - w <= first:      # every query sees every key from `first` on: plain causal attention
+            return self._attend_causal(q, k_all, v_all)
         # Queries in blocks of WINDOW_QUERY_BLOCK rows, each over the keys its rows can see (the
         # block's window: block + w - 1 keys), not the whole chunk's: one masked SDPA over the
         # chunk would compute t x (t + w - 1) scores for t x w that count (5x at t = 2048, w = 512).
