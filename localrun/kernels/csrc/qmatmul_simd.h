@@ -741,40 +741,42 @@ static inline __attribute__((always_inline)) __m512i steps_sum16(const __m512i* 
     return _mm512_add_epi32(even, odd);
 }
 
+// Group g of weight rows n0 .. n0 + 7 (codes aq[0..8), scales aab as in Tile8) and n0 + 8 .. n0 + 15
+// (bq, bab) times activation rows m0 .. m0 + R - 1, added to acc's 16 lanes
 template <int QT, int R>
-static void tile_rows16(const __m256i* aq, const float* aab, const __m256i* bq, const float* bab, const QX& qx,
-                        int64_t m0, float* y, int64_t ldy, int64_t n0, int rows_b) {
+static inline __attribute__((always_inline)) void lane_group16(const __m256i* aq, const float* ea, const __m256i* bq,
+                                                               const float* eb, int64_t g, const QX& qx, int64_t m0,
+                                                               __m512* acc) {
     const int64_t K = qx.K, G = K / 32;
     const uint8_t* xs = (const uint8_t*)(qx.qs + m0 * K);
     const float* dx = qx.d + m0 * G;
-    __m512 acc[R];
+    __m512i q[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512i q[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) q[j] = join(_mm256_load_si256(aq + 8 * g + j), _mm256_load_si256(bq + 8 * g + j));
-        const float *ea = aab + 32 * g, *eb = bab + 32 * g;
-        const __m512 a0 = join(_mm256_loadu_ps(ea), _mm256_loadu_ps(eb)), b0 = join(_mm256_loadu_ps(ea + 16), _mm256_loadu_ps(eb + 16));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const uint8_t* x = xs + r * K + 32 * g;
-            const __m512 d = _mm512_set1_ps(dx[r * G + g]);
-            if constexpr (HALVES<QT>) {
-                const __m512 a1 = join(_mm256_loadu_ps(ea + 8), _mm256_loadu_ps(eb + 8));
-                const __m512 b1 = join(_mm256_loadu_ps(ea + 24), _mm256_loadu_ps(eb + 24));
-                const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(steps_sum16<QT>(q, x, 0, 4)), _mm512_mul_ps(a0, d), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(steps_sum16<QT>(q, x, 4, 8)), _mm512_mul_ps(a1, d), acc[r]);
-                acc[r] = _mm512_fmadd_ps(b0, _mm512_set1_ps(sh[0]), acc[r]);
-                acc[r] = _mm512_fmadd_ps(b1, _mm512_set1_ps(sh[1]), acc[r]);
-            } else {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(steps_sum16<QT>(q, x, 0, 8)), _mm512_mul_ps(a0, d), acc[r]);
-                acc[r] = _mm512_fmadd_ps(b0, _mm512_set1_ps(qx.sxg[(m0 + r) * G + g]), acc[r]);
-            }
+    for (int j = 0; j < 8; j++) q[j] = join(_mm256_load_si256(aq + j), _mm256_load_si256(bq + j));
+    const __m512 a0 = join(_mm256_loadu_ps(ea), _mm256_loadu_ps(eb)), b0 = join(_mm256_loadu_ps(ea + 16), _mm256_loadu_ps(eb + 16));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        const uint8_t* x = xs + r * K + 32 * g;
+        const __m512 d = _mm512_set1_ps(dx[r * G + g]);
+        if constexpr (HALVES<QT>) {
+            const __m512 a1 = join(_mm256_loadu_ps(ea + 8), _mm256_loadu_ps(eb + 8));
+            const __m512 b1 = join(_mm256_loadu_ps(ea + 24), _mm256_loadu_ps(eb + 24));
+            const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(steps_sum16<QT>(q, x, 0, 4)), _mm512_mul_ps(a0, d), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(steps_sum16<QT>(q, x, 4, 8)), _mm512_mul_ps(a1, d), acc[r]);
+            acc[r] = _mm512_fmadd_ps(b0, _mm512_set1_ps(sh[0]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(b1, _mm512_set1_ps(sh[1]), acc[r]);
+        } else {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(steps_sum16<QT>(q, x, 0, 8)), _mm512_mul_ps(a0, d), acc[r]);
+            acc[r] = _mm512_fmadd_ps(b0, _mm512_set1_ps(qx.sxg[(m0 + r) * G + g]), acc[r]);
         }
     }
-#pragma GCC unroll 8
+}
+
+// acc[r]'s 16 lanes into y[m0 + r, n0 .. n0 + 8 + rows_b)
+template <int R>
+static inline void store_lanes16(const __m512* acc, int64_t m0, float* y, int64_t ldy, int64_t n0, int rows_b) {
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
         float* out = y + (m0 + r) * ldy + n0;
         _mm256_storeu_ps(out, _mm512_castps512_ps256(acc[r]));
@@ -783,6 +785,58 @@ static void tile_rows16(const __m256i* aq, const float* aab, const __m256i* bq, 
         alignas(32) float lanes[8];
         _mm256_store_ps(lanes, hi);
         for (int i = 0; i < rows_b; i++) out[8 + i] = lanes[i];
+    }
+}
+
+template <int QT, int R>
+static void tile_rows16(const __m256i* aq, const float* aab, const __m256i* bq, const float* bab, const QX& qx,
+                        int64_t m0, float* y, int64_t ldy, int64_t n0, int rows_b) {
+    const int64_t G = qx.K / 32;
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) lane_group16<QT, R>(aq + 8 * g, aab + 32 * g, bq + 8 * g, bab + 32 * g, g, qx, m0, acc);
+    store_lanes16<R>(acc, m0, y, ldy, n0, rows_b);
+}
+
+// direct_rows for 16 weight rows (n0 .. n0 + 7, and n0 + 8 .. n0 + 7 + rows_b) and R of 9 .. 16
+// activation rows (16-sequence decode steps): each unit of both halves decoded and used at once,
+// 16 lanes per register. Same lanes, same instructions: the same bits.
+constexpr int DIRECT16_MAX_ROWS = 2 * LANES_TILE;
+
+template <int QT, int R>
+static void direct_rows16(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows_b, const QX& qx, float* y,
+                          int64_t ldy, int64_t next_rows) {
+    const int64_t G = qx.K / 32;
+    const uint8_t *ra[8], *rb[8];
+    for (int i = 0; i < 8; i++) {
+        ra[i] = w + (n0 + i) * row_bytes;
+        rb[i] = w + (n0 + 8 + std::min(i, rows_b - 1)) * row_bytes;
+    }
+    __m512 acc[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    constexpr int UG = UNIT_GROUPS<QT>;
+    const int64_t units = G / UG;
+    const NextTile next(w, row_bytes, n0 + 8, next_rows, units);     // rows n0 + 16 on
+    for (int64_t u = 0; u < units; u++) {
+        next.prefetch(u);
+        alignas(32) __m256i qa[8 * UG], qb[8 * UG];
+        alignas(32) float aba[32 * UG], abb[32 * UG];
+        decode_unit<QT>(ra, u, qa, aba);
+        decode_unit<QT>(rb, u, qb, abb);
+        for (int j = 0; j < UG; j++)
+            lane_group16<QT, R>(qa + 8 * j, aba + 32 * j, qb + 8 * j, abb + 32 * j, UG * u + j, qx, 0, acc);
+    }
+    store_lanes16<R>(acc, 0, y, ldy, n0, rows_b);
+}
+
+template <int QT, int R = DIRECT16_MAX_ROWS>
+static void direct_rows16_of(int r, const uint8_t* w, int64_t row_bytes, int64_t n0, int rows_b, const QX& qx,
+                             float* y, int64_t ldy, int64_t next_rows) {
+    if constexpr (R > LANES_TILE) {
+        if (r == R) direct_rows16<QT, R>(w, row_bytes, n0, rows_b, qx, y, ldy, next_rows);
+        else direct_rows16_of<QT, R - 1>(r, w, row_bytes, n0, rows_b, qx, y, ldy, next_rows);
     }
 }
 
@@ -829,7 +883,13 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     thread_local Tile8 tile;
     int64_t nt = n0;
 #ifdef LOCALRUN_VNNI
-    if (M >= 2 * LANES_TILE) {           // two tiles at a time, 16 lanes per register (tile_rows16)
+    if (M <= DIRECT16_MAX_ROWS) {        // 16 weight rows decoded and used at once (direct_rows16)
+        for (; nt + 8 < n1; nt += 16) {
+            const int rows_b = (int)std::min<int64_t>(8, n1 - nt - 8);
+            direct_rows16_of<QT>((int)M, w, row_bytes, nt, rows_b, qx, y, ldy,
+                                 std::min<int64_t>(16, std::max<int64_t>(0, n1 - nt - 16)));
+        }
+    } else {                             // two tiles at a time, 16 lanes per register (tile_rows16)
         thread_local Tile8 second;
         for (; nt + 8 < n1; nt += 16) {
             const int rows_b = (int)std::min<int64_t>(8, n1 - nt - 8);
