@@ -41,8 +41,10 @@ CALIBRATION_FILE = "calibration.json"
 # works on top-k's candidates, ~4 ms less per sampled row on SmolLM2: the calibration samples at
 # the default temperature, and its 4-sequence decode step went from 33-39 to 16-25 ms; 4: every
 # engine on AVX2 multiplies decode rows in the lane layout, now 0.88-0.92x the rows' step at 4
-# sequences, and the sampler's top-k is one compiled pass).
-SPEED_MODEL_REVISION = 4
+# sequences, and the sampler's top-k is one compiled pass; 5: prompt rows go through the integer
+# kernel (prompt_math int8: 1.5-2x the prefill of the float path), and AVX-512 multiplies 9 or more
+# rows 16 lanes per register).
+SPEED_MODEL_REVISION = 5
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 
