@@ -131,8 +131,8 @@ def measure_forward_seconds(model, num_tokens: int, context: int = 32, repeats: 
     cache (the best of `repeats`, after a warm-up): the controller's first estimate of a step
     size it has not seen yet. rowwise: rows as a verify step computes them: each attends on its
     own and goes through the weights as a decode row (the integer kernel; as prompt rows with
-    prompt_math float32 they take the float path, which at 5 rows measured twice the engine's real verify step, and the
-    controller then never drafted the k it had priced so)."""
+    prompt_math float32 they take the float path, which at 5 rows measured twice the engine's
+    real verify step, and the controller then never drafted the k it had priced so)."""
     c = model.config
     asked, max_positions = num_tokens, model.freqs.shape[0]
     num_tokens = min(num_tokens, max_positions - 1)    # a model with fewer positions than asked:

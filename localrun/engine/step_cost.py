@@ -5,10 +5,11 @@ A step carries d decode or verify rows, p prompt tokens, and those prompt tokens
 a keys in all (a prompt token at position q attends q + 1 keys). On a CPU the three cost very
 differently: decode rows run the fused one-call-per-block path, prompt rows the Python path
 (and float32 products with prompt_math float32) whose cost per token is higher for a small
-chunk, and a chunk's attention grows with the context it sits on. Keyed by its token count alone, a step of 8 decodes and a 16-token chunk over 1500 cached
-tokens was predicted as a 24-row decode step (~40 ms) and took 160-220 ms (SmolLM2, Zen 3): the
-controller then over-packed every mixed step, or, learning from both kinds under one key,
-shrank every chunk to a block. So:
+chunk, and a chunk's attention grows with the context it sits on. Keyed by its token count
+alone, a step of 8 decodes and a 16-token chunk over 1500 cached tokens was predicted as a
+24-row decode step (~40 ms) and took 160-220 ms (SmolLM2, Zen 3): the controller then
+over-packed every mixed step, or, learning from both kinds under one key, shrank every chunk to
+a block. So:
 
     cost(d, p, a) = D(d)                              with no prompt tokens
                   = D(d) + c0 + c1 * p + c2 * a       with some

@@ -724,11 +724,13 @@ static void direct_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int row
 }
 
 #ifdef LOCALRUN_VNNI
-// tile_rows for two tiles at once (weight rows n0 .. n0 + 7 in a, n0 + 8 .. n0 + 15 in b), their
-// 16 lanes in one 512-bit register: every lane runs tile_rows' instructions in its order (the
-// same integer sums, the same float products and FMAs), so the same bits; the activation's
-// broadcasts, its scales and the int32 -> float work are shared by 16 weight rows instead of 8.
-// For calls of many activation rows (prompts), where those were a third of the instructions.
+// AVX-512: 16 lanes per 512-bit register, weight rows n0 .. n0 + 7 in the low half (a) and
+// n0 + 8 .. n0 + 15 in the high half (b). Every lane runs lane_group's instructions in its order
+// (the same integer sums, the same float products and FMAs), so the same bits; the activation's
+// broadcasts, its scales and the int32 -> float work serve 16 weight rows instead of 8 (a third
+// of the instructions of a many-row call).
+
+// steps_sum's VNNI chains on 16 lanes
 template <int QT>
 static inline __attribute__((always_inline)) __m512i steps_sum16(const __m512i* q, const uint8_t* x, int j0, int j1) {
     __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
@@ -788,6 +790,7 @@ static inline void store_lanes16(const __m512* acc, int64_t m0, float* y, int64_
     }
 }
 
+// tile_rows for two tiles at once (prompts: calls of more than 16 rows)
 template <int QT, int R>
 static void tile_rows16(const __m256i* aq, const float* aab, const __m256i* bq, const float* bab, const QX& qx,
                         int64_t m0, float* y, int64_t ldy, int64_t n0, int rows_b) {
