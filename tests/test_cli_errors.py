@@ -149,6 +149,7 @@ def test_directory_is_not_a_model(tmp_path):
     (["generate", "{missing}", "-p", "hi", "--ctx", "1"], "--ctx must be an integer >= 2, got 1."),
     (["generate", "{missing}", "-p", "hi", "--kv-type", "q4"], "--kv-type takes f32, bf16, f16, int8, fp8, not 'q4'."),
     (["generate", "{missing}", "-p", "hi", "-ngl", "many"], "--gpu-layers takes 'auto' or a number, not 'many'."),
+    (["serve", "{missing}", "--prompt-math", "int4"], "--prompt-math takes int8 or float32, not 'int4'."),
     (["plan", "llama2-7b", "--n-cpu-moe", "-3"], "--n-cpu-moe takes 'auto' or a number from 0 up, not -3."),
     (["serve", "{missing}", "--kv-budget", "lots"], "--kv-budget is 'lots', which is not a size; write it like "
                                                     "24GiB, 16G or 512MiB."),
