@@ -43,9 +43,6 @@ def random_blocks(qtype: QT, n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-q8_reference = q8_activations        # the activations as the kernels see them
-
-
 def shape_for(qtype: QT) -> tuple[int, int]:
     """N not a multiple of any tile; K an odd number of 32-groups where the type allows."""
     return (37, 512) if GGML_QUANT_SIZES[qtype][0] == 256 else (37, 96 * 3)
@@ -70,7 +67,7 @@ def test_matmul_equals_float64_reference_for_every_row_count(qtype, layout):
         x[3, :32] = 0.0                                       # an all-zero block
         for m in ROWS:
             y = kernels.qmatmul(torch.from_numpy(x[:m]), [torch.from_numpy(raw)], [int(qtype) | LAYOUTS[layout]]).numpy()
-            exact = q8_reference(x[:m]).astype(np.float64) @ w.T
+            exact = q8_activations(x[:m]).astype(np.float64) @ w.T
             np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max(), err_msg=f"M={m} K={k}")
             plain = x[:m].astype(np.float64) @ w.T            # the 8-bit activations' own error
             assert np.linalg.norm(y - plain) / np.linalg.norm(plain) < 1.5e-2
@@ -156,7 +153,8 @@ def test_bad_shapes_are_refused():
 ISA_SCRIPT = """
 import json, sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
-from test_kernels import TYPES, random_blocks, shapes_for, q8_reference
+from test_kernels import TYPES, random_blocks, shapes_for
+from reference_forward import q8_activations
 from gguf.quants import dequantize
 from localrun import kernels
 out = {"isa": kernels.isa(), "errors": {}, "rows_identical": True}
@@ -165,7 +163,7 @@ for qtype, (n, k) in [(t, s) for t in TYPES for s in shapes_for(t)]:
     w = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
     x = np.random.default_rng(1).standard_normal((17, k)).astype(np.float32)
     y = kernels.qmatmul(torch.from_numpy(x), [torch.from_numpy(raw)], [int(qtype)])
-    exact = q8_reference(x).astype(np.float64) @ w.T
+    exact = q8_activations(x).astype(np.float64) @ w.T
     out["errors"][f"{qtype.name}/{k}"] = float(np.abs(y.numpy() - exact).max() / np.abs(exact).max())
     for m in (0, 5, 16):
         one = kernels.qmatmul(torch.from_numpy(x[m:m + 1]), [torch.from_numpy(raw)], [int(qtype)])

@@ -83,10 +83,10 @@ def speculative_options(draft_model: str | None, spec: str | None) -> dict:
 
 def engine_config(*, ctx=None, threads=None, kv_type=None, gpu_layers="auto", draft_model=None, spec=None,
                   draft_max=4, cache_dir=None, no_disk_cache=True, cache_disk=None, cache_ram=None,
-                  prompt_math="int8", **options) -> EngineConfig:
+                  **options) -> EngineConfig:
     """The EngineConfig of the shared flags (the names above, as the commands take them), plus
     EngineConfig fields by their own names; the disk cache is on unless no_disk_cache."""
-    return EngineConfig(n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_gpu_layers=gpu_layers, prompt_math=prompt_math,
+    return EngineConfig(n_ctx=ctx, n_threads=threads, kv_type=kv_type, n_gpu_layers=gpu_layers,
                         num_speculative_tokens=draft_max, disk_cache=not no_disk_cache, cache_dir=cache_dir,
                         cache_disk=cache_disk, cache_ram=cache_ram, **speculative_options(draft_model, spec),
                         **options)
