@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from localrun.engine.llm_engine import LLMEngine
-from localrun.engine_config import EngineConfig
+from localrun.engine_config import DEFAULT_PROMPT_MATH, EngineConfig
 from localrun.errors import UserError
 from localrun.gguf_file import GGUFModelFile, open_gguf
 from localrun.executor import build_model, use_quantized
@@ -92,7 +92,7 @@ class LLM:
         self.speculative, self.draft_model = load_speculative(
             config.speculative, target=self.model, target_tokenizer=lambda: self.tokenizer, dtype=self.dtype,
             n_ctx=self.n_ctx, quantized=self.quantized, num_speculative_tokens=config.num_speculative_tokens,
-            adaptive=config.speculative_adaptive)
+            adaptive=config.speculative_adaptive, n_parallel=config.n_parallel, prompt_math=config.prompt_math)
 
     @property
     def context_warning(self) -> str | None:
@@ -313,13 +313,15 @@ class LLM:
 
 
 def load_speculative(spec: str | None, *, target: Transformer, target_tokenizer, dtype: torch.dtype, n_ctx: int,
-                     quantized: bool = False, num_speculative_tokens: int = 4, adaptive: bool = True):
+                     quantized: bool = False, num_speculative_tokens: int = 4, adaptive: bool = True,
+                     n_parallel: int = 1, prompt_math: str = DEFAULT_PROMPT_MATH):
     """(SpeculativeConfig or None, draft Transformer or None) for LLM(speculative=spec):
     None (off), "ngram" (prompt lookup), "self:N" (the target's first N layers as the draft),
     or a draft model's .gguf path or catalog name, whose vocabulary must be the target's
     (target_tokenizer: a function returning the target's Tokenizer, loaded only if needed).
     A draft model file is resolved, opened and built here, like the target (quantized or not,
-    placed by layerplan): the engine gets a built model."""
+    placed by layerplan, for n_parallel sequences, its prompt rows multiplied as prompt_math
+    says): the engine gets a built model."""
     from localrun.engine.draft_model import check_vocab_compatible, self_draft
     from localrun.engine.speculative import SpeculativeConfig
     if not spec:
@@ -337,4 +339,5 @@ def load_speculative(spec: str | None, *, target: Transformer, target_tokenizer,
     draft_tokenizer = Tokenizer(path)
     pieces = lambda tok: [tok.piece(i, special=True) for i in range(tok.n_vocab)]   # noqa: E731
     check_vocab_compatible(pieces(target_tokenizer()), pieces(draft_tokenizer), path.name)
-    return config, build_model(open_gguf(path), n_ctx=n_ctx, dtype=dtype, quantized=quantized)
+    return config, build_model(open_gguf(path), n_ctx=n_ctx, dtype=dtype, quantized=quantized, n_parallel=n_parallel,
+                               prompt_math=prompt_math)

@@ -30,6 +30,7 @@ ENGINE_NAMES = {"max_num_seqs": "n_parallel", "max_model_len": "n_ctx", "policy"
 ENGINE_DEFAULT_MAX_NUM_SEQS = 16        # LLMEngine(model) alone batches up to 16 sequences
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")    # torch's names; the model computes in one of these
 PROMPT_MATHS = ("int8", "float32")      # how quantized weights multiply prompt rows (model/gguf_weight.py)
+DEFAULT_PROMPT_MATH = "int8"
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,9 @@ class EngineConfig:
     quantized: bool | None = None     # keep Q4_0/Q4_1/Q4_K and Q8_0 weights quantized (torch's weight-only
                                       # kernels); None: yes, unless dtype="float32" is asked for or
                                       # LOCALRUN_REFERENCE=1 (localrun/executor.py)
-    prompt_math: str = "int8"         # prompt rows times quantized weights: "int8" (activations rounded to 8-bit
-                                      # blocks, as decode rows and llama.cpp: 1.5x the prompt speed) or "float32"
-                                      # (the exact model to float32 rounding); model/gguf_weight.py
+    prompt_math: str = DEFAULT_PROMPT_MATH   # prompt rows times quantized weights: "int8" (activations rounded
+                                      # to 8-bit blocks, as decode rows and llama.cpp: 1.5x the prompt speed) or
+                                      # "float32" (the exact model to float32 rounding); model/gguf_weight.py
     n_gpu_layers: int | str | None = "auto"   # 'auto' (layerplan chooses; all-CPU without a GPU) or
                                               # llama.cpp's -ngl count
     # batching and the KV cache

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from localrun.engine_config import DEFAULT_PROMPT_MATH
 from localrun.gguf_file import GGUFModelFile
 from localrun.loader import file_weights, load_weights
 from localrun.model.gguf_weight import weight_math
@@ -34,7 +35,7 @@ def use_quantized(quantized: bool | None, dtype: torch.dtype | str | None) -> bo
 
 def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantized: bool,
                 n_gpu_layers=None, device_map: DeviceMap | None = None, n_parallel: int = 1,
-                kv_type: str | None = None, prompt_math: str = "int8") -> Transformer:
+                kv_type: str | None = None, prompt_math: str = DEFAULT_PROMPT_MATH) -> Transformer:
     """The Transformer of `file` placed by `device_map`, or by layerplan for `n_gpu_layers`
     ('auto', None or a number; all-CPU on a machine without a GPU). prompt_math: how quantized
     weights multiply prompt rows (EngineConfig.prompt_math, model/gguf_weight.py)."""

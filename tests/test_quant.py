@@ -295,3 +295,19 @@ def test_int8_prompt_rows_are_decode_rows(tiny_gguf, lanes):
         assert torch.equal(w(x[i:i + 1], decode_rows=1)[0], prompt[i])
     exact = q8_activations(x.numpy()).astype(np.float64) @ np.concatenate([q4.to_float(), q6.to_float()]).T
     np.testing.assert_allclose(prompt.numpy(), exact, rtol=0, atol=2e-6 * np.abs(exact).max())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the compiled kernels")
+def test_a_draft_model_multiplies_as_its_target(tiny_gguf):
+    """A draft model file is built with the target's prompt math and sequence count (so its
+    weights take the target's integer-kernel layout), not the defaults."""
+    def weight_maths(model):
+        return {(w.prompt_int8, tuple(w.kernel_types)) for layer in model.layers
+                for w in (layer.attention.wqkv, layer.feed_forward.w13)}
+
+    for prompt_math in ("float32", "int8"):
+        path = tiny_gguf("Q4_0")
+        llm = LLM(path, quantized=True, n_threads=1, n_parallel=16, prompt_math=prompt_math, speculative=str(path))
+        assert isinstance(llm.draft_model.layers[0].feed_forward.w13, GGUFWeight)
+        assert weight_maths(llm.draft_model) == weight_maths(llm.model)
+        assert {p for p, _ in weight_maths(llm.draft_model)} == {prompt_math == "int8"}

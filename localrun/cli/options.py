@@ -9,7 +9,7 @@ import dataclasses
 import typer
 from rich.console import Console
 
-from localrun.engine_config import DEFAULT_OUTPUT_RESERVE_TOKENS, EngineConfig
+from localrun.engine_config import DEFAULT_OUTPUT_RESERVE_TOKENS, DEFAULT_PROMPT_MATH, EngineConfig
 from localrun.errors import OptionError, UserError
 
 err = Console(stderr=True, highlight=False)
@@ -21,7 +21,7 @@ ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: t
                           "the physical cores).")
 KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8 (default: f16 for "
                          "float32 models, else the compute dtype).")
-PromptMathOpt = typer.Option("int8", "--prompt-math", help="Prompt rows times quantized weights: int8 "
+PromptMathOpt = typer.Option(DEFAULT_PROMPT_MATH, "--prompt-math", help="Prompt rows times quantized weights: int8 "
                              "(activations rounded to 8 bits, as decode rows and llama.cpp; faster) or float32 "
                              "(the exact model, for evaluation).")
 GpuLayersOpt = typer.Option("auto", "--gpu-layers", "-ngl", help="'auto' (layerplan chooses; all-CPU without a "

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from localrun import kernels
+from localrun.engine_config import DEFAULT_PROMPT_MATH
 
 PROMPT_GEMM_MIN_ROWS = 32
 PROMPT_TILE_BYTES = 2 << 20         # float32 bytes of one dequantized tile of weight rows
@@ -44,10 +45,10 @@ Q8_0_LANES_MIN_PARALLEL = 2         # ... and Q8_0's (AVX-512 only), which cost 
 class WeightMath:
     """How a model's in-place weights multiply rows (the module's docstring says why)."""
     lanes: frozenset[int] = frozenset()   # the types whose integer-kernel rows use the lane layout (lane_types)
-    prompt: str = "int8"                  # prompt rows: "int8" (the integer kernel, as decode rows) or "float32"
+    prompt: str = DEFAULT_PROMPT_MATH     # prompt rows: "int8" (the integer kernel, as decode rows) or "float32"
 
 
-def weight_math(n_parallel: int, prompt: str = "int8") -> WeightMath:
+def weight_math(n_parallel: int, prompt: str = DEFAULT_PROMPT_MATH) -> WeightMath:
     """The WeightMath of an engine built for n_parallel sequences on this host."""
     return WeightMath(lane_types(n_parallel), prompt)
 
