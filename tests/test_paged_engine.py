@@ -243,7 +243,7 @@ def test_short_prompt_chunks_beside_decodes_go_through_the_paged_kernel_with_the
     (steps with decodes and such chunks, prefix hits among them), and every request's greedy
     output is the one the gather path gives."""
     from localrun import kernels
-    from localrun.engine import model_runner
+    from localrun.engine import model_runner, scheduler
     if not kernels.available():
         pytest.skip("localrun's kernels did not compile here")
     model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1).model
@@ -261,7 +261,7 @@ def test_short_prompt_chunks_beside_decodes_go_through_the_paged_kernel_with_the
     paged = [s.generated_token_ids for s in run_all(make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=12),
                                                     PROMPTS, GREEDY)]
     assert any(p and d and c for p, d, c in seen), seen
-    monkeypatch.setattr(model_runner, "PAGED_PROMPT_ROWS", 0)
+    monkeypatch.setattr(scheduler, "PAGED_PROMPT_ROWS", 0)
     seen.clear()
     gathered = [s.generated_token_ids for s in run_all(make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=12),
                                                        PROMPTS, GREEDY)]

@@ -56,3 +56,33 @@ def test_a_chunk_beside_decodes_costs_its_prompt_tokens_not_a_decode_rows_price(
     a = attended_keys(1500, 16)
     assert model.cost(8, 16, a) == pytest.approx(law(8, 16, a), rel=0.1)
     assert model.cost(8, 16, a) > 1.5 * model.cost(24, 0, 0)
+
+
+def test_the_bound_plans_with_the_overrun_of_recent_mixed_steps():
+    """bound() = cost() times the 90th percentile of actual / predicted over recent steps that
+    carried decodes and prompt tokens; PRIOR_OVERRUN before MIN_OVERRUNS of them."""
+    from localrun.engine import step_cost
+    model = MixedStepCost(lambda n: law(n, 0, 0), lambda n: law(0, n, attended_keys(32, n)))
+    a = attended_keys(1000, 40)
+    assert model.bound(8, 40, a) == pytest.approx(step_cost.PRIOR_OVERRUN * model.cost(8, 40, a))
+    assert model.bound(8, 0, 0) == model.cost(8, 0, 0) and model.bound(0, 40, a) == model.cost(0, 40, a)
+    for i in range(step_cost.OVERRUN_WINDOW):           # steps 1.2x what the model says before each
+        ratio = 1.1 + 0.1 * (i % 3)                      # 1.1, 1.2, 1.3, ...
+        model.observe(8, 40, a, ratio * model.cost(8, 40, a))
+        if i + 1 < step_cost.MIN_OVERRUNS:
+            assert model.overrun_factor() == step_cost.PRIOR_OVERRUN
+    assert model.overrun_factor() == pytest.approx(1.3)          # the 90th percentile of 1.1-1.3
+    assert model.bound(8, 40, a) == pytest.approx(1.3 * model.cost(8, 40, a))
+
+
+def test_after_warm_up_a_larger_row_count_is_extrapolated_not_timed():
+    """Decodes plus short prompt chunks (paged rows) can outnumber max_num_seqs: past the warm-up,
+    D(d) continues the line through the two largest counts known instead of running a scratch
+    forward while requests are being served."""
+    timed = []
+    model = MixedStepCost(lambda n: timed.append(n) or 0.010 + 0.004 * n, lambda n: 0.002 * n)
+    model.warm_up(16)
+    assert timed == [1, 2, 4, 8, 16]
+    assert model.cost(22, 0, 0) == pytest.approx(0.010 + 0.004 * 22)
+    assert model.cost(12, 0, 0) == pytest.approx(0.010 + 0.004 * 12)     # interpolated
+    assert timed == [1, 2, 4, 8, 16]

@@ -180,7 +180,7 @@ class LLMEngine:
                                            lambda n: measure_forward_seconds(model, n))
             self.step_cost.warm_up(self.scheduler.config.max_num_seqs)     # not in the serving path
         self.scheduler.config = config
-        self.scheduler.step_cost = self.step_cost.cost if seconds is not None else None
+        self.scheduler.step_cost = self.step_cost.bound if seconds is not None else None
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
