@@ -1,7 +1,9 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p,
 repetition penalty, OpenAI's presence and frequency penalties, logit bias, a grammar's token
 mask, logprobs, seeded. The order follows llama.cpp's default chain:
-logit bias -> penalties -> grammar mask -> [logprobs] -> top-k -> top-p -> min-p -> temperature -> draw.
+logit bias -> penalties -> grammar mask -> [logprobs] -> top-k -> top-p -> min-p -> temperature -> draw,
+with min_tokens' ban of the end-of-generation tokens beside the logit bias (llama-cpp-python's
+min-tokens processor; vLLM's min_tokens).
 
 logprobs are the log-softmax of the logits after logit_bias, the penalties and the grammar
 mask, before temperature and the top-k/top-p/min-p truncation: the model's distribution as
@@ -63,9 +65,10 @@ class SamplerState:
     output only), its grammar matcher, kept in step with the sequence's tokens, and the
     logprobs recorded for each sampled token until the engine reports them."""
 
-    def __init__(self, num_prompt_tokens: int, matcher=None):
+    def __init__(self, num_prompt_tokens: int, matcher=None, banned_early: tuple[int, ...] = ()):
         self.num_prompt_tokens = num_prompt_tokens
         self.matcher = matcher
+        self.banned_early = banned_early    # ids banned until min_tokens are generated: the engine's EOG ids
         self.num_consumed = 0           # output tokens the matcher has consumed
         self.logprobs: list[TokenLogprob] = []
 
@@ -133,6 +136,10 @@ def token_logprob(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 
 
 def _penalized(logits: torch.Tensor, p: SamplingParams, recent) -> torch.Tensor:
+    state = p.state
+    if (p.min_tokens and state is not None and state.banned_early
+            and len(recent) - state.num_prompt_tokens < p.min_tokens):
+        logits = logits.index_fill(0, torch.tensor(state.banned_early, dtype=torch.long), float("-inf"))
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
         logits = logits.index_add(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))

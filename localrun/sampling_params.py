@@ -32,6 +32,8 @@ MAX_TOP_LOGPROBS = 20                  # OpenAI's bound on top_logprobs
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
+    min_tokens: int = 0             # vLLM's and llama-cpp-python's: end-of-generation tokens are banned until
+                                    # this many are generated (stop strings still stop)
     temperature: float = 0.8        # 0 means greedy; at most 2
     top_k: int = 40                 # 0 disables
     top_p: float = 0.95             # in (0, 1]; 1 disables
@@ -51,6 +53,10 @@ class SamplingParams:
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, low=0)
+        _integer("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParam("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                                                     f"({self.max_tokens})")
         _number("temperature", self.temperature, *TEMPERATURE_RANGE)
         _integer("top_k", self.top_k, low=0)
         _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -74,7 +80,7 @@ class SamplingParams:
     def needs_state(self) -> bool:
         """True when sampling needs per-sequence state (output counts, a matcher, logprobs)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.logprobs is not None
-                or self.constraint is not None)
+                or self.constraint is not None or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

@@ -20,7 +20,7 @@ REFUSED = [
     ("min_p", -0.1), ("min_p", 1.5), ("top_k", -1), ("top_k", 2.5), ("top_k", True),
     ("repeat_penalty", 0), ("repeat_penalty", 5e-324), ("repeat_penalty", 11), ("repeat_penalty", math.inf),
     ("repeat_last_n", -1), ("max_tokens", -1), ("max_tokens", 1.5), ("seed", 1.5), ("seed", "7"),
-    ("stop", ("",)), ("stop", "abc"),
+    ("stop", ("",)), ("stop", "abc"), ("min_tokens", -1), ("min_tokens", 300), ("min_tokens", 2.0),
 ]
 
 
@@ -104,3 +104,51 @@ def test_logit_bias_in_the_python_api(llm):
     with pytest.raises(ValueError, match="^logit_bias names token id 99999, outside the vocabulary"):
         llm.generate("hello", max_tokens=2, logit_bias={99999: 1})
     assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished()
+
+
+def test_min_tokens_bans_the_end_of_generation_until_that_many(llm):
+    """min_tokens (vLLM's, llama-cpp-python's): with the end-of-generation token forced by a
+    +100 bias, a request ends at once; with min_tokens=n it generates exactly n tokens first,
+    none of them an EOG, then ends on the EOG ("stop"). ignore_eos overrides it; so does a
+    speculating engine (verify rows apply the same ban)."""
+    eog = sorted(llm.tokenizer.eog_ids)
+    forced = {eog[0]: 100.0}
+    assert llm.generate("hello", max_tokens=8, temperature=0, logit_bias=forced).token_ids == []
+    for n in (1, 3, 8):
+        out = llm.generate("hello", max_tokens=8, min_tokens=n, temperature=0, logit_bias=forced)
+        assert len(out.token_ids) == n and not set(out.token_ids) & set(eog), out.token_ids
+        assert out.finish_reason == ("length" if n == 8 else "stop")
+    sampled = llm.generate("hello", max_tokens=6, min_tokens=6, temperature=1.0, seed=3, logit_bias=forced)
+    assert len(sampled.token_ids) == 6 and not set(sampled.token_ids) & set(eog)
+    ignoring = llm.generate("hello", max_tokens=5, min_tokens=3, temperature=0, logit_bias=forced, ignore_eos=True)
+    assert ignoring.token_ids == [eog[0]] * 5
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished()
+
+
+def test_min_tokens_holds_through_speculative_verification(tiny_gguf):
+    """Prompt lookup drafts the prompt's repeats, EOG-free; verification samples each kept row
+    under the ban of its own position, so the output is the plain engine's, draft or not."""
+    prompt = "hello world " * 12
+    plain = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1)
+    eog = sorted(plain.tokenizer.eog_ids)
+    options = dict(max_tokens=12, min_tokens=9, temperature=0, logit_bias={eog[0]: 10.0})
+    spec = LLM(tiny_gguf("F32"), dtype="float32", n_threads=1, speculative="ngram", speculative_adaptive=False)
+    expected = plain.generate(prompt, **options)
+    unbanned = plain.generate(prompt, **{**options, "min_tokens": 0})
+    assert len(unbanned.token_ids) < 9        # the bias makes the EOG win early: the ban matters
+    assert len(expected.token_ids) >= 9 and not set(expected.token_ids[:9]) & set(eog)
+    got = spec.generate(prompt, **options)
+    assert got.token_ids == expected.token_ids
+    assert spec.engine.stats()["spec_draft_tokens"] > 0
+
+
+def test_min_tokens_in_the_sampler_counts_output_tokens_only():
+    from localrun.sampling import SamplerState
+    logits = torch.tensor([0.0, 5.0, 1.0])     # token 1, the EOG here, is the argmax
+    params = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
+    params = SamplingParams(**{**params.__dict__, "state": SamplerState(3, banned_early=(1,))})
+    prompt = [7, 7, 7]
+    assert sample(logits, params, make_generator(0), prompt) == 2             # 0 generated
+    assert sample(logits, params, make_generator(0), prompt + [2]) == 2       # 1 generated
+    assert sample(logits, params, make_generator(0), prompt + [2, 2]) == 1    # 2: the ban is over
+    assert float(probabilities(logits, params, prompt)[1]) == 0.0

@@ -209,6 +209,9 @@ HOSTILE = [
     ("grammar and response_format", chat(grammar='root ::= "a"', response_format={"type": "json_object"}), 400,
      "response_format"),
     ("empty stop", chat(stop=[""]), 400, "stop"),
+    ("min_tokens over max_tokens", chat(max_tokens=4, min_tokens=5), 400, "min_tokens"),
+    ("min_tokens negative", chat(min_tokens=-1), 400, "min_tokens"),
+    ("min_tokens up to max_tokens", chat(max_tokens=4, min_tokens=4), 200, None),
 ]
 
 

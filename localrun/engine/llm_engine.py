@@ -141,6 +141,7 @@ class LLMEngine:
             speculative, model, max_model_len=self.max_model_len, draft_model=draft_model)
         self.model = model
         self.kv_type = kv_type
+        self.eog_ids = tuple(sorted(tokenizer_eog_ids))
         self.clock = clock
         self._finished_at_add: list[Sequence] = []   # max_tokens=0: reported by the next step
         self.step_cost: MixedStepCost | None = None     # measured step times, under an ITL target
@@ -201,7 +202,8 @@ class LLMEngine:
             # drafts would be checked against one distribution for several prefixes: a grammar
             # matcher and recorded logprobs follow one token at a time
             speculative = params.speculative and matcher is None and params.logprobs is None
-            params = dataclasses.replace(params, state=SamplerState(len(prompt_ids), matcher),
+            banned_early = self.eog_ids if params.min_tokens and not params.ignore_eos else ()
+            params = dataclasses.replace(params, state=SamplerState(len(prompt_ids), matcher, banned_early),
                                          speculative=speculative)
         seq = Sequence(request_id, prompt_ids, params, arrival_time)
         if params.max_tokens == 0:      # nothing to compute: done as soon as it arrives

@@ -78,6 +78,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = None                  # vLLM's and llama-cpp-python's: no end of generation before
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -103,7 +104,7 @@ class _Sampling(_Body):
     def sampling_kwargs(self) -> dict:
         """The SamplingParams fields the client set (others keep localrun's defaults)."""
         out = {k: v for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
-                              "presence_penalty", "frequency_penalty")
+                              "presence_penalty", "frequency_penalty", "min_tokens")
                if (v := getattr(self, k)) is not None}
         if self.num_logprobs() is not None:
             out["logprobs"] = self.num_logprobs()
