@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_vs_llamacpp import measure, workload, workload_parser  # noqa: E402
+from serve_vs_llamacpp import exactly, measure, workload, workload_parser  # noqa: E402
 
 from localrun.bench.servers import llama_cpp_server, localrun_server  # noqa: E402
 from localrun.models import resolve_model  # noqa: E402
@@ -40,7 +40,7 @@ def run_config(model_path, requests, args, flags: list[str]) -> dict:
     common = ["--threads", str(args.threads), "--ctx", str(args.ctx), "--kv-budget", args.kv_budget,
               "--no-disk-cache"]   # every row starts cold: nothing from earlier runs
     with localrun_server(str(model_path), *common, *flags) as url:
-        row = measure(url, requests, None, ignore_eos=True)
+        row = measure(url, requests, exactly(args.output_tokens))
         row["preemptions"] = scrape(url, "localrun_num_preemptions_total")   # warm-up included
     row["flags"] = " ".join(flags)
     print(f"  [{row['flags']}] TTFT p50 {row['ttft_p50_s']:.2f}s p99 {row['ttft_p99_s']:.2f}s "
@@ -112,7 +112,7 @@ def main() -> None:
     if not args.skip_peer:
         print("peer: llama-cpp-python server", file=sys.stderr)
         with llama_cpp_server(str(model_path), n_threads=args.threads, n_ctx=max(args.ctx, 2048)) as url:
-            peer = measure(url, requests, {"min_tokens": args.output_tokens}, ignore_eos=False)
+            peer = measure(url, requests, exactly(args.output_tokens))
 
     base = steps[0]["ttft_p50_s"]
     print("\n| step | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | ITL p99 (ms) | throughput (tok/s) | "

@@ -2,8 +2,11 @@
 
 The scenario of the engine-core issue: N requests (default 16) arrive together, each a chat
 with one shared system prompt (default 1024 tokens of real text) and its own question (~32
-tokens), 32 output tokens each (greedy unless --temperature; localrun gets ignore_eos, llama-cpp-python gets
-min_tokens, so both generate exactly that many). Each server runs alone on the machine with
+tokens), 32 output tokens each (greedy unless --temperature). Both servers get min_tokens =
+max_tokens, so both generate exactly that many tokens and no end of turn among them. With
+ignore_eos instead, localrun went on past the model's end-of-turn token; the special tokens
+after it (end and start of turn) send no text, so the next text chunk came two or three steps
+after the last and counted as one inter-token gap: ITL p99 0.19-0.23 s where no step took 0.09 s. Each server runs alone on the machine with
 the same GGUF and thread count; each gets one unrelated warm-up request first. TTFT is
 measured by the client from the moment it sends (all at once), so queueing counts.
 
@@ -50,10 +53,15 @@ def workload(model_path, n: int, prefix_tokens: int, output_tokens: int,
 WARM_UP = [BenchRequest(0, 0.0, 4, messages=({"role": "user", "content": "Warm-up: say hello."},))]
 
 
-def measure(url: str, requests, extra_body: dict | None, ignore_eos: bool) -> dict:
-    asyncio.run(run_requests(url, WARM_UP, extra_body=extra_body, ignore_eos=ignore_eos))
+def exactly(output_tokens: int) -> dict:
+    """The request body's fields that make either server generate exactly output_tokens tokens."""
+    return {"min_tokens": output_tokens}
+
+
+def measure(url: str, requests, extra_body: dict | None) -> dict:
+    asyncio.run(run_requests(url, WARM_UP, ignore_eos=False))
     times = cpu_times()
-    results, wall = asyncio.run(run_requests(url, requests, extra_body=extra_body, ignore_eos=ignore_eos))
+    results, wall = asyncio.run(run_requests(url, requests, extra_body=extra_body, ignore_eos=False))
     shares = cpu_time_shares(times)
     s = summarize(results, wall)
     return {"ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"], "ttft_mean_s": s["ttft_s"]["mean"],
@@ -99,10 +107,10 @@ def main() -> None:
     with localrun_server(str(model_path), "--threads", str(args.threads), "--ctx", str(args.ctx),
                          "--parallel", str(args.parallel), "--max-batched-tokens", str(args.max_batched_tokens),
                          "--no-disk-cache", *itl_flags(args.itl_target_ms)) as url:
-        rows["localrun"] = measure(url, requests, None, ignore_eos=True)
+        rows["localrun"] = measure(url, requests, exactly(args.output_tokens))
     if not args.skip_peer:
         with llama_cpp_server(str(model_path), n_threads=args.threads, n_ctx=args.ctx) as url:
-            rows["llama_cpp"] = measure(url, requests, {"min_tokens": args.output_tokens}, ignore_eos=False)
+            rows["llama_cpp"] = measure(url, requests, exactly(args.output_tokens))
 
     print(f"{'server':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8} {'tok/s':>7} {'wall':>6} errors")
     for name, r in rows.items():
