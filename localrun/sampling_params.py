@@ -33,7 +33,7 @@ MAX_TOP_LOGPROBS = 20                  # OpenAI's bound on top_logprobs
 class SamplingParams:
     max_tokens: int = 256
     min_tokens: int = 0             # vLLM's and llama-cpp-python's: end-of-generation tokens are banned until
-                                    # this many are generated (stop strings still stop)
+                                    # this many are generated, with ignore_eos too (stop strings still stop)
     temperature: float = 0.8        # 0 means greedy; at most 2
     top_k: int = 40                 # 0 disables
     top_p: float = 0.95             # in (0, 1]; 1 disables

@@ -121,3 +121,16 @@ def test_bench_cli_against_a_fake_server(tmp_path):
     assert data["summary"]["requests"] == 8 and data["summary"]["errors"] == 2    # i = 3 and 6
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert "TTFT" in result.output
+
+
+def test_a_fixed_length_request_bans_the_end_of_turn_until_its_last_token():
+    """ignore_eos (the bench's default) also sends min_tokens = max_tokens: past an end of turn a
+    model writes hidden special tokens, which send no text, so each gap around them counted as
+    one long inter-token latency."""
+    from localrun.bench.loadgen import request_body
+    from localrun.bench.workload import BenchRequest
+    req = BenchRequest(0, 0.0, 32, messages=({"role": "user", "content": "hi"},))
+    _, body = request_body(req, None, ignore_eos=True)
+    assert body["ignore_eos"] is True and body["min_tokens"] == body["max_tokens"] == 32
+    _, body = request_body(req, None, ignore_eos=False)
+    assert "ignore_eos" not in body and "min_tokens" not in body

@@ -59,8 +59,9 @@ def request_body(req: BenchRequest, model: str | None, ignore_eos: bool,
                   "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
-    if ignore_eos:
-        body["ignore_eos"] = True
+    if ignore_eos:      # exactly max_tokens tokens, none of them an end of turn (whose hidden
+        body["ignore_eos"] = True       # special tokens would send no text: no chunk, a long gap)
+        body["min_tokens"] = req.max_tokens
     if req.messages is not None:
         return "/v1/chat/completions", {**body, "messages": list(req.messages)}
     return "/v1/completions", {**body, "prompt": req.prompt}

@@ -202,7 +202,7 @@ class LLMEngine:
             # drafts would be checked against one distribution for several prefixes: a grammar
             # matcher and recorded logprobs follow one token at a time
             speculative = params.speculative and matcher is None and params.logprobs is None
-            banned_early = self.eog_ids if params.min_tokens and not params.ignore_eos else ()
+            banned_early = self.eog_ids if params.min_tokens else ()     # with ignore_eos too
             params = dataclasses.replace(params, state=SamplerState(len(prompt_ids), matcher, banned_early),
                                          speculative=speculative)
         seq = Sequence(request_id, prompt_ids, params, arrival_time)
