@@ -243,7 +243,7 @@ def test_short_prompt_chunks_beside_decodes_go_through_the_paged_kernel_with_the
     (steps with decodes and such chunks, prefix hits among them), and every request's greedy
     output is the one the gather path gives."""
     from localrun import kernels
-    from localrun.engine import model_runner, scheduler
+    from localrun.engine import model_runner
     if not kernels.available():
         pytest.skip("localrun's kernels did not compile here")
     model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1).model
@@ -261,7 +261,7 @@ def test_short_prompt_chunks_beside_decodes_go_through_the_paged_kernel_with_the
     paged = [s.generated_token_ids for s in run_all(make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=12),
                                                     PROMPTS, GREEDY)]
     assert any(p and d and c for p, d, c in seen), seen
-    monkeypatch.setattr(scheduler, "PAGED_PROMPT_ROWS", 0)
+    monkeypatch.setattr(model_runner, "PAGED_PROMPT_ROWS", 0)
     seen.clear()
     gathered = [s.generated_token_ids for s in run_all(make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=12),
                                                        PROMPTS, GREEDY)]
@@ -547,3 +547,21 @@ def test_an_itl_target_times_its_step_sizes_before_serving(model):
     while engine.has_unfinished():
         engine.step()
     assert calls == []
+
+
+def test_the_time_between_steps_is_measured_only_while_requests_wait(model):
+    """Under an ITL target the engine records, for its cost model, the time from each step's end
+    to the next one's start while requests are unfinished; the idle time after a request's last
+    step is not such a gap (a 0.3 s pause between two requests never shows up)."""
+    import time
+    engine = make_engine(model, max_num_seqs=2, max_num_batched_tokens=64)
+    engine.set_itl_target(0.5)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    run_all(engine, [random_ids(9, seed=1)], params)
+    time.sleep(0.3)
+    engine.add_request("again", random_ids(7, seed=2), params)
+    while engine.has_unfinished():
+        engine.step()
+    between = list(engine.step_cost.between)
+    assert len(between) == 2 * (4 - 1)          # 4 steps a request, 3 gaps each
+    assert all(0 <= s < 0.3 for s in between), between

@@ -567,7 +567,7 @@ def test_an_itl_target_prices_prompt_tokens_on_their_context():
     beside two decodes carries exactly the most prompt tokens a brute-force search finds within
     the target (at least one block), so chunks shrink as the prompt's context grows; the plan
     on the batch is the law's price of the batch as composed."""
-    from localrun.engine.scheduler import chunk_cost_shape
+    from localrun.engine.step_cost import attended_keys
     cost = lambda d, p, a: 0.010 + 0.001 * d + 0.0004 * p + 2e-6 * a   # noqa: E731
     target, limit = 0.030, 64
     bm = BlockManager(256, 4)
@@ -581,7 +581,7 @@ def test_an_itl_target_prices_prompt_tokens_on_their_context():
     step(scheduler, runner)                                  # admitted beside the two decodes
     chunks, start = [], scheduler.running[-1].num_computed_tokens
     while scheduler.running[-1].request_id == "long" and scheduler.running[-1].is_prefill:
-        fitting = [p for p in range(4, limit - 2 + 1) if cost(*chunk_cost_shape(2, start, p)) <= target]
+        fitting = [p for p in range(4, limit - 2 + 1) if cost(2, p, attended_keys(start, p)) <= target]
         want = max(fitting, default=4)
         batch, _ = step(scheduler, runner)
         assert shape(batch)[-1] == ("long", start, min(want, 400 - start)), (start, want)
@@ -589,20 +589,3 @@ def test_an_itl_target_prices_prompt_tokens_on_their_context():
         chunks.append(shape(batch)[-1][2])
         start += chunks[-1]
     assert chunks[0] > chunks[-2] >= 4, chunks               # later chunks sit on more context
-
-
-def test_the_cost_shape_counts_short_chunks_after_the_decodes_as_paged_rows():
-    """Decode rows and the prompt chunks of at most PAGED_PROMPT_ROWS rows right after them are
-    attended by the paged kernel, each row over its own prefix: the cost model prices them as
-    decode rows. A longer chunk, and any chunk after it, is prompt tokens with attended keys."""
-    from localrun.engine.scheduler import PAGED_PROMPT_ROWS, Batch, BatchEntry, chunk_cost_shape
-    from localrun.engine.step_cost import attended_keys
-    seq = Sequence("s", [1] * 2000, Params())
-    entries = [BatchEntry(seq, 900, 1, False, True), BatchEntry(seq, 700, 1, False, True),
-               BatchEntry(seq, 1060, 3, True, True), BatchEntry(seq, 1024, PAGED_PROMPT_ROWS, True, False),
-               BatchEntry(seq, 1024, 38, True, True), BatchEntry(seq, 1024, 5, True, False)]
-    batch = Batch(entries, 16)
-    assert batch.num_paged_entries() == 4
-    assert batch.cost_shape() == (2 + 3 + PAGED_PROMPT_ROWS, 43, attended_keys(1024, 38) + attended_keys(1024, 5))
-    assert chunk_cost_shape(2, 1024, PAGED_PROMPT_ROWS) == (2 + PAGED_PROMPT_ROWS, 0, 0)
-    assert chunk_cost_shape(2, 1024, 17) == (2, 17, attended_keys(1024, 17))

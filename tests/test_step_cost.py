@@ -59,20 +59,23 @@ def test_a_chunk_beside_decodes_costs_its_prompt_tokens_not_a_decode_rows_price(
 
 
 def test_the_bound_plans_with_the_overrun_of_recent_mixed_steps():
-    """bound() = cost() times the 90th percentile of actual / predicted over recent steps that
-    carried decodes and prompt tokens; PRIOR_OVERRUN before MIN_OVERRUNS of them."""
+    """bound() = cost() times the largest actual / predicted of the recent steps that carried
+    decodes and prompt tokens (OVERRUN_WINDOW of them); PRIOR_OVERRUN before MIN_OVERRUNS."""
     from localrun.engine import step_cost
     model = MixedStepCost(lambda n: law(n, 0, 0), lambda n: law(0, n, attended_keys(32, n)))
     a = attended_keys(1000, 40)
     assert model.bound(8, 40, a) == pytest.approx(step_cost.PRIOR_OVERRUN * model.cost(8, 40, a))
     assert model.bound(8, 0, 0) == model.cost(8, 0, 0) and model.bound(0, 40, a) == model.cost(0, 40, a)
-    for i in range(step_cost.OVERRUN_WINDOW):           # steps 1.2x what the model says before each
-        ratio = 1.1 + 0.1 * (i % 3)                      # 1.1, 1.2, 1.3, ...
+    for i in range(step_cost.OVERRUN_WINDOW):           # steps 1.1-1.3x what the model said before each
+        ratio = 1.1 + 0.1 * (i % 3)
         model.observe(8, 40, a, ratio * model.cost(8, 40, a))
         if i + 1 < step_cost.MIN_OVERRUNS:
             assert model.overrun_factor() == step_cost.PRIOR_OVERRUN
-    assert model.overrun_factor() == pytest.approx(1.3)          # the 90th percentile of 1.1-1.3
+    assert model.overrun_factor() == pytest.approx(1.3)
     assert model.bound(8, 40, a) == pytest.approx(1.3 * model.cost(8, 40, a))
+    for _ in range(step_cost.OVERRUN_WINDOW):           # an overrun leaves the window in time
+        model.observe(8, 40, a, 0.9 * model.cost(8, 40, a))
+    assert model.overrun_factor() == pytest.approx(0.9)
 
 
 def test_after_warm_up_a_larger_row_count_is_extrapolated_not_timed():
@@ -86,3 +89,14 @@ def test_after_warm_up_a_larger_row_count_is_extrapolated_not_timed():
     assert model.cost(22, 0, 0) == pytest.approx(0.010 + 0.004 * 22)
     assert model.cost(12, 0, 0) == pytest.approx(0.010 + 0.004 * 12)     # interpolated
     assert timed == [1, 2, 4, 8, 16]
+
+
+def test_the_bound_adds_the_median_time_between_steps():
+    model = MixedStepCost(lambda n: law(n, 0, 0), lambda n: law(0, n, attended_keys(32, n)))
+    a = attended_keys(100, 20)
+    plain = model.bound(4, 20, a)
+    for seconds in (0.003, 0.004, 0.5, 0.002, 0.004):        # one outlier: the median ignores it
+        model.observe_between(seconds)
+    assert model.between_s() == pytest.approx(0.004)
+    assert model.bound(4, 20, a) == pytest.approx(plain + 0.004)
+    assert model.bound(4, 0, 0) == pytest.approx(model.cost(4, 0, 0) + 0.004)

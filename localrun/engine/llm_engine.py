@@ -145,6 +145,7 @@ class LLMEngine:
         self.clock = clock
         self._finished_at_add: list[Sequence] = []   # max_tokens=0: reported by the next step
         self.step_cost: MixedStepCost | None = None     # measured step times, under an ITL target
+        self._busy_end: float | None = None
         # LOCALRUN_STEP_LOG=path: one JSON line per step (what it ran, how long), to trace a schedule
         step_log = os.environ.get("LOCALRUN_STEP_LOG")
         self._step_log = open(step_log, "a", buffering=1) if step_log else None
@@ -248,6 +249,8 @@ class LLMEngine:
             return outputs
         self._set_tiers_busy(True)
         start = time.perf_counter()
+        if self.step_cost is not None and self._busy_end is not None:
+            self.step_cost.observe_between(start - self._busy_end)
         sampled = self.runner.execute(batch)
         execute_s = time.perf_counter() - start
         if self.step_cost is not None:
@@ -275,11 +278,20 @@ class LLMEngine:
                                           logprob=logprob))
         for seq in finished:
             self._release(seq)
+        writing_s = 0.0
         if not self.scheduler.has_unfinished():
             self._set_tiers_busy(False)
         elif self.disk_cache is not None:     # busy: let the disk writer use this step's slack
             target = self.scheduler.config.itl_target_s
-            self.disk_cache.write_window(max(target - execute_s, 0.0) if target else DISK_WRITE_SHARE * execute_s)
+            between = self.step_cost.between_s() if self.step_cost is not None else 0.0
+            writing_s = time.perf_counter()
+            self.disk_cache.write_window(max(target - execute_s - between, 0.0) if target
+                                         else DISK_WRITE_SHARE * execute_s)
+            writing_s = time.perf_counter() - writing_s
+        # while requests wait for the next step, the time from this one's end to its start (less
+        # the disk writer's, which fits the slack on its own) is part of their inter-token gaps
+        # (step_cost.bound); None after the last step, which is followed by idle time
+        self._busy_end = start + execute_s + writing_s if self.scheduler.has_unfinished() else None
         return outputs
 
     def _log_step(self, batch, start: float, execute_s: float) -> None:

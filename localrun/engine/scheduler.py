@@ -58,22 +58,6 @@ from localrun.errors import OptionError, UserError
 
 POLICIES = ("fcfs", "cache_aware")
 
-# A prompt chunk of at most this many rows right after the decode rows (the small chunks an
-# inter-token latency target leaves room for, a prompt's tail) is attended by the paged kernel
-# too (model_runner.py), each row a query over its own prefix, as verify rows are, instead of its
-# cached prefix being gathered per layer for one masked SDPA. Zen 3, SmolLM2, 8 decodes plus a chunk over 1500
-# cached tokens: 16 rows 205 -> 163 ms a step; 32 rows 300 -> 335 ms (SDPA's blocked products
-# win there: the kernel reads the keys once per row).
-PAGED_PROMPT_ROWS = 16
-
-
-def chunk_cost_shape(num_decodes: int, start: int, num_tokens: int) -> tuple[int, int, int]:
-    """Batch.cost_shape of num_decodes decode rows and one prompt chunk of num_tokens tokens
-    from position start: a short chunk's rows are paged rows, a longer one's prompt tokens."""
-    if num_tokens <= PAGED_PROMPT_ROWS:
-        return num_decodes + num_tokens, 0, 0
-    return num_decodes, num_tokens, attended_keys(start, num_tokens)
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -170,25 +154,11 @@ class Batch:
         """Offsets of each entry's tokens in the flat input (len(entries) + 1 values)."""
         return [0, *itertools.accumulate(e.num_new_tokens for e in self.entries)]
 
-    def num_paged_entries(self) -> int:
-        """The leading entries the paged kernel attends: the decode and verify entries, then the
-        prompt chunks of at most PAGED_PROMPT_ROWS rows that follow them."""
-        n = 0
-        for entry in self.entries:
-            if entry.is_prefill and entry.num_new_tokens > PAGED_PROMPT_ROWS:
-                break
-            n += 1
-        return n
-
     def cost_shape(self) -> tuple[int, int, int]:
-        """What the step cost model prices: (rows the paged kernel attends, prompt tokens, the
-        keys those prompt tokens attend). The paged rows are the decode and verify rows and the
-        short prompt chunks after them, each row a query over its own prefix like a decode row
-        (a 16-row chunk over 1024 cached tokens costs about 16 decode rows, several times what
-        the prompt fit prices it at); the prompt tokens are the other chunks'."""
-        paged = self.num_paged_entries()
-        prompt = self.entries[paged:]
-        return (sum(e.num_new_tokens for e in self.entries[:paged]),
+        """What the step cost model prices: (decode and verify rows, prompt tokens, the keys those
+        prompt tokens attend)."""
+        prompt = [e for e in self.entries if e.is_prefill]
+        return (sum(e.num_new_tokens for e in self.entries if not e.is_prefill),
                 sum(e.num_new_tokens for e in prompt),
                 sum(attended_keys(e.start_position, e.num_new_tokens) for e in prompt))
 
@@ -297,7 +267,7 @@ class Scheduler:
         start = next((s.num_computed_tokens for s in self.running if s.is_prefill), 0)
 
         def fits(p: int) -> bool:
-            return cost(*chunk_cost_shape(num_decodes, start, p)) <= target
+            return cost(num_decodes, p, attended_keys(start, p)) <= target
 
         if fits(limit - num_decodes):
             return limit

@@ -21,14 +21,17 @@ a block. So:
   PRIOR_TOKENS prompt tokens, c0 = c2 = 0) with the weight of one step, so that a few similar
   steps cannot swing it, and kept at 0 or above (no term makes a step cheaper).
 cost() is the expected time; the scheduler packs against `bound()`, the expected time of a step
-carrying both decodes and prompt tokens times how far such steps overran their predictions
-lately (the 90th percentile of actual / predicted over the last OVERRUN_WINDOW of them), so
-that about one such step in ten overruns an ITL target instead of one in two. Before
-MIN_OVERRUNS of them the factor is PRIOR_OVERRUN: the first mixed steps are priced from scratch
-forwards and from prompt-only steps, which know neither the decode rows' long contexts nor a
-small chunk's fixed cost. 16 requests at once over a 1024-token shared prefix (SmolLM2, 2 Zen 4
-cores, a 150 ms target): the two mixed steps took 1.51x and 1.49x their predictions, 220 and
-121 ms, and the first was every request's ITL p99; requests arriving 0.25 s apart: 0.95-1.33x.
+carrying both decodes and prompt tokens times the largest overrun (actual / predicted) of the
+last OVERRUN_WINDOW such steps. The largest, not a quantile: every step is one inter-token gap
+of every stream it carries, so the streams' ITL p99 is about the step times' p99, and a target
+missed by one step in ten is missed at p99. Before MIN_OVERRUNS of them the factor is
+PRIOR_OVERRUN: the first mixed steps are priced from scratch forwards and prompt-only steps,
+which know neither the decode rows' long contexts nor a small chunk's fixed cost. 16 requests
+at once over a 1024-token shared prefix (SmolLM2, 2 Zen 4 cores, a 150 ms target): the first
+mixed step took 1.46-1.78x its prediction in five runs (up to 220 ms), and it was every
+request's ITL p99; requests arriving 0.25 s apart: 0.95-1.33x. bound() adds the time between
+one step's end and the next one's start while requests wait (scheduling, the sampled tokens
+turned into text and sent: 2-5 ms with 16 streams), which a stream's inter-token gap includes.
 """
 from __future__ import annotations
 
@@ -42,9 +45,8 @@ from localrun.engine.spec_control import StepCostModel
 WINDOW = 64            # prompt-carrying steps the fit remembers
 PRIOR_TOKENS = 64      # the scratch prompt forward that sets the prior per-token cost
 OVERRUN_WINDOW = 16    # steps with decodes and prompt tokens whose actual / predicted bound() keeps
-OVERRUN_QUANTILE = 0.9
 MIN_OVERRUNS = 4       # such steps seen before bound() trusts their overruns ...
-PRIOR_OVERRUN = 1.5    # ... instead of this factor
+PRIOR_OVERRUN = 2.0    # ... instead of this factor
 # features in units that make the coefficients comparable: 1, tokens / 100, keys / 100k
 SCALE = np.array([1.0, 100.0, 100_000.0])
 
@@ -64,6 +66,7 @@ class MixedStepCost:
         self._prior: np.ndarray | None = None
         self._coefficients: np.ndarray | None = None
         self.overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)     # actual / predicted, mixed steps
+        self.between: deque[float] = deque(maxlen=OVERRUN_WINDOW)      # seconds from a step's end to the next
         self.warmed = False
 
     def warm_up(self, max_decodes: int) -> None:
@@ -72,8 +75,8 @@ class MixedStepCost:
         Left to the first steps that asked, each new largest decode count and the first prompt
         chunk stalled the engine for a scratch forward (0.85-1.35 s gaps between steps with
         SmolLM2 on 2 cores as 16 requests joined), which became the requests' ITL p99. After it,
-        a larger row count (decodes plus short prompt chunks, which the paged kernel attends as
-        decode rows: up to max_decodes + 16 and more) is extrapolated, never timed."""
+        a larger row count (decodes with speculative drafts to verify) is extrapolated, never
+        timed in the middle of serving: one such scratch forward stalled a step by 0.21 s."""
         rows = 1
         while rows < max_decodes:
             self.decode.cost(rows)
@@ -106,16 +109,25 @@ class MixedStepCost:
             return base
         return base + float(self.coefficients() @ (np.array([1.0, p, a]) / SCALE))
 
+    def observe_between(self, seconds: float) -> None:
+        """The time from one step's end to the next one's start, the engine busy in between."""
+        self.between.append(seconds)
+
     def bound(self, d: int, p: int, a: int) -> float:
-        """The time to plan a step with: cost() times overrun_factor() for a step carrying both
-        decodes and prompt tokens (the kind an ITL target packs), else cost()."""
+        """The inter-token gap to plan a step with: cost(), times overrun_factor() for a step
+        carrying both decodes and prompt tokens (the kind an ITL target packs), plus the median
+        time between steps."""
         expected = self.cost(d, p, a)
-        return expected * self.overrun_factor() if d and p else expected
+        return (expected * self.overrun_factor() if d and p else expected) + self.between_s()
+
+    def between_s(self) -> float:
+        """The median time between steps (0 before any)."""
+        return float(np.median(self.between)) if self.between else 0.0
 
     def overrun_factor(self) -> float:
         if len(self.overruns) < MIN_OVERRUNS:
             return PRIOR_OVERRUN
-        return float(np.quantile(np.array(self.overruns), OVERRUN_QUANTILE))
+        return max(self.overruns)
 
     def coefficients(self) -> np.ndarray:
         """(c0, c1, c2) in SCALE's units: seconds per step, per 100 tokens, per 100k keys."""

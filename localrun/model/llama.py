@@ -59,7 +59,7 @@ class SharedPrefix:
 @dataclass
 class PagedRows:
     """The leading rows of a batch that are attended one query each over its own prefix: decode
-    and verify rows, and short prompt chunks after them (Batch.num_paged_entries), in one
+    and verify rows, and short prompt chunks after them (model_runner.num_paged_entries), in one
     kernel call per layer straight from the KV pool (float32, float16, bfloat16, or int8/fp8
     with their scales) (localrun::paged_attention), with no gather and no loop over sequences.
     Built once per forward by the model runner, which then passes segments for the later rows only."""
