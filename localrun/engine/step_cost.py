@@ -21,12 +21,13 @@ a block. So:
   PRIOR_TOKENS prompt tokens, c0 = c2 = 0) with the weight of one step, so that a few similar
   steps cannot swing it, and kept at 0 or above (no term makes a step cheaper).
 cost() is the expected time; the scheduler packs against `bound()`, the expected time of a step
-carrying both decodes and prompt tokens times the largest overrun (actual / predicted) of the
-last OVERRUN_WINDOW such steps. The largest, not a quantile: every step is one inter-token gap
-of every stream it carries, so the streams' ITL p99 is about the step times' p99, and a target
-missed by one step in ten is missed at p99. Before MIN_OVERRUNS of them the factor is
-PRIOR_OVERRUN: the first mixed steps are priced from scratch forwards and prompt-only steps,
-which know neither the decode rows' long contexts nor a small chunk's fixed cost. 16 requests
+carrying both decodes and prompt tokens times the largest overrun of the last OVERRUN_WINDOW
+such steps: actual / cost() of their shapes, priced by the model as it is now (so an overrun
+the model has since learned from shrinks). The largest, not a quantile: every step is one
+inter-token gap of every stream it carries, so the streams' ITL p99 is about the step times'
+p99, and a target missed by one step in ten is missed at p99. Before MIN_OVERRUNS of them the
+factor is PRIOR_OVERRUN: the first mixed steps are priced from scratch forwards and prompt-only
+steps, which know neither the decode rows' long contexts nor a small chunk's fixed cost. 16 requests
 at once over a 1024-token shared prefix (SmolLM2, 2 Zen 4 cores, a 150 ms target): the first
 mixed step took 1.46-1.78x its prediction in five runs (up to 220 ms), and it was every
 request's ITL p99; requests arriving 0.25 s apart: 0.95-1.33x. bound() adds the time between
@@ -44,7 +45,7 @@ from localrun.engine.spec_control import StepCostModel
 
 WINDOW = 64            # prompt-carrying steps the fit remembers
 PRIOR_TOKENS = 64      # the scratch prompt forward that sets the prior per-token cost
-OVERRUN_WINDOW = 16    # steps with decodes and prompt tokens whose actual / predicted bound() keeps
+OVERRUN_WINDOW = 16    # steps with decodes and prompt tokens whose overruns bound() takes
 MIN_OVERRUNS = 4       # such steps seen before bound() trusts their overruns ...
 PRIOR_OVERRUN = 2.0    # ... instead of this factor
 # features in units that make the coefficients comparable: 1, tokens / 100, keys / 100k
@@ -65,7 +66,8 @@ class MixedStepCost:
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)   # (p, a, seconds less D(d))
         self._prior: np.ndarray | None = None
         self._coefficients: np.ndarray | None = None
-        self.overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)     # actual / predicted, mixed steps
+        self.mixed: deque[tuple[int, int, int, float]] = deque(maxlen=OVERRUN_WINDOW)  # (d, p, a, seconds)
+        self._overrun: float | None = None
         self.between: deque[float] = deque(maxlen=OVERRUN_WINDOW)      # seconds from a step's end to the next
         self.warmed = False
 
@@ -86,11 +88,12 @@ class MixedStepCost:
         self.warmed = True
 
     def observe(self, d: int, p: int, a: int, seconds: float) -> None:
+        self._overrun = None
         if p == 0:
             self.decode.observe(d, seconds)
             return
         if d:
-            self.overruns.append(seconds / self.cost(d, p, a))
+            self.mixed.append((d, p, a, seconds))
         self.steps.append((p, a, seconds - (self.decode_cost(d) if d else 0.0)))
         self._coefficients = None
 
@@ -125,9 +128,11 @@ class MixedStepCost:
         return float(np.median(self.between)) if self.between else 0.0
 
     def overrun_factor(self) -> float:
-        if len(self.overruns) < MIN_OVERRUNS:
+        if len(self.mixed) < MIN_OVERRUNS:
             return PRIOR_OVERRUN
-        return max(self.overruns)
+        if self._overrun is None:      # until the next step is observed
+            self._overrun = max(seconds / self.cost(d, p, a) for d, p, a, seconds in self.mixed)
+        return self._overrun
 
     def coefficients(self) -> np.ndarray:
         """(c0, c1, c2) in SCALE's units: seconds per step, per 100 tokens, per 100k keys."""
