@@ -29,7 +29,7 @@ p99, and a target missed by one step in ten is missed at p99. Before MIN_OVERRUN
 factor is PRIOR_OVERRUN: the first mixed steps are priced from scratch forwards and prompt-only
 steps, which know neither the decode rows' long contexts nor a small chunk's fixed cost. 16 requests
 at once over a 1024-token shared prefix (SmolLM2, 2 Zen 4 cores, a 150 ms target): the first
-mixed step took 1.46-1.78x its prediction in five runs (up to 220 ms), and it was every
+mixed step took 1.46-1.91x its prediction in six runs (up to 220 ms), and it was every
 request's ITL p99; requests arriving 0.25 s apart: 0.95-1.33x. bound() adds the time between
 one step's end and the next one's start while requests wait (scheduling, the sampled tokens
 turned into text and sent: 2-5 ms with 16 streams), which a stream's inter-token gap includes.
