@@ -429,6 +429,93 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void values_fast(const float*
         for (int c = 0; c < C; c++) _mm256_storeu_ps(acc[h] + 8 * c, sum[h][c]);
 }
 
+// int8 pools read in place by the vector kernels: each group of 8 codes widened and multiplied by
+// its scales (K: the block's per-channel scales, ks; V: the token's per-group scales) as it is
+// used, exactly the float32 product widen_i8_scaled_avx2 writes into the scratch, so the bits are
+// the scratch path's, without the store and the reload (a shared cached prefix, read from cache by
+// every row of a step, was widened 16 times a step: 16-row decode steps took 1.2-1.5x float16's).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 get8_i8(const int8_t* p, __m256 s) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))), s);
+}
+
+// scores_fast over int8 keys scaled per channel (ks: hd scales, the same for every key of the block)
+template <int G, int HD>
+__attribute__((target("avx2,fma,f16c"), noinline)) void scores_i8_fast(const float* qs, const int8_t* k, int64_t stride,
+                                                                       const float* ks, int64_t hd_rt, int64_t n,
+                                                                       float* const* sc, float* mx) {
+    const int64_t hd = HD ? HD : hd_rt, nv = hd / 8;
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n; j0 += 8, k += 8 * stride) {
+        v8 s[G][8];
+        for (int half = 0; half < 2; half++) {
+            const int8_t* kk = k + half * 4 * stride;
+            __m256 acc[G][4];
+            const __m256 s0 = _mm256_loadu_ps(ks);
+            for (int j = 0; j < 4; j++) {
+                const __m256 kv = get8_i8(kk + j * stride, s0);
+                for (int h = 0; h < G; h++) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(qs + h * hd), kv);
+            }
+            for (int64_t i = 1; i < nv; i++) {
+                const __m256 si = _mm256_loadu_ps(ks + 8 * i);
+                for (int j = 0; j < 4; j++) {
+                    const __m256 kv = get8_i8(kk + j * stride + 8 * i, si);
+                    for (int h = 0; h < G; h++) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + 8 * i), kv, acc[h][j]);
+                }
+            }
+            for (int h = 0; h < G; h++)
+                for (int j = 0; j < 4; j++) s[h][half * 4 + j] = (v8)acc[h][j];
+        }
+        for (int h = 0; h < G; h++) {
+            const v8 t = transpose_sum8(s[h]);
+            store8(sc[h] + j0, t);
+            mx[h] = std::max(mx[h], max8(t));
+        }
+    }
+    for (; j0 < n; j0++, k += stride)
+        for (int h = 0; h < G; h++) {
+            const float* qh = qs + h * hd;
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 2 <= nv; i += 2) {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_i8(k + 8 * i, _mm256_loadu_ps(ks + 8 * i)), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i + 8), get8_i8(k + 8 * i + 8, _mm256_loadu_ps(ks + 8 * i + 8)), s1);
+            }
+            if (i < nv) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_i8(k + 8 * i, _mm256_loadu_ps(ks + 8 * i)), s0);
+            const float t = hsum8((v8)_mm256_add_ps(s0, s1));
+            sc[h][j0] = t;
+            mx[h] = std::max(mx[h], t);
+        }
+}
+
+// values_fast over int8 values scaled per token and group: value row j's channel ch0 + 8c + i
+// is code x vs[j * vs_stride + (ch0 + 8c) / group] (group a multiple of 8)
+template <int G, int C>
+__attribute__((target("avx2,fma,f16c"), noinline)) void values_i8_fast(const float* const* w, const int8_t* v,
+                                                                       int64_t stride, const float* vs, int64_t vs_stride,
+                                                                       int64_t ch0, int64_t group, int64_t n,
+                                                                       float* const* acc) {
+    __m256 sum[G][C];
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) sum[h][c] = _mm256_loadu_ps(acc[h] + 8 * c);
+    int64_t gi[C];
+    for (int c = 0; c < C; c++) gi[c] = (ch0 + 8 * c) / group;
+    for (int64_t j = 0; j < n; j++, v += stride, vs += vs_stride) {
+        __m256 wj[G];
+        for (int h = 0; h < G; h++) wj[h] = _mm256_broadcast_ss(w[h] + j);
+        for (int c = 0; c < C; c++) {
+            const __m256 x = get8_i8(v + 8 * c, _mm256_broadcast_ss(vs + gi[c]));
+            for (int h = 0; h < G; h++) sum[h][c] = _mm256_fmadd_ps(wj[h], x, sum[h][c]);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) _mm256_storeu_ps(acc[h] + 8 * c, sum[h][c]);
+}
+
+// Whether the vector kernel reads this pool's keys and values in place (int8 in the AVX2 and
+// AVX-512 builds, its V groups a multiple of 8 values) rather than through the scratch.
+template <typename KF, typename VF, bool FAST>
+constexpr bool INT8_IN_PLACE = FAST && std::is_same_v<KF, ChannelScaledInt8> && std::is_same_v<VF, TokenScaled<Int8Code>>;
+
 template <int G, int HD, bool FAST, typename R>
 ALWAYS_INLINE void scores_block(const float* qs, const R* k, int64_t stride, int64_t hd, int64_t n, float* const* sc,
                                 float* mx) {
@@ -470,9 +557,27 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         mx[hh] = -INFINITY;
         for (int64_t i = 0; i < nv; i++) store8(qs + hh * hd + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
     }
+    // int8 in place: V's scale groups a multiple of 8 values (paged_kv: 32, or hd)
+    const bool in_place = INT8_IN_PLACE<KF, VF, FAST> && a.v.group % 8 == 0;
     // scores[hh][p - first] = q_hh . k_p * scale, block by block through the table
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
+        if constexpr (INT8_IN_PLACE<KF, VF, FAST>) {
+            if (in_place) {
+                const int8_t* kc = static_cast<const int8_t*>(a.k.data) + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
+                const float* ks = a.k.scale + (a.table[b] * a.n_kv + a.g) * hd;     // the block's, every row
+                prefetch_block<KF>(a, a.k, b + 1, hd);
+                head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
+                    constexpr int G = decltype(heads)::value;
+                    float* sc[G];
+                    for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
+                    const int64_t at = a.per_kv ? g * hd : 0;
+                    scores_i8_fast<G, HD>(qs + h0 * hd, kc + at, a.n_kv * hd, ks + at, hd, end - p, sc, mx + h0);
+                });
+                p = end;
+                continue;
+            }
+        }
         int64_t stride;
         const auto* kb = Src<KF>::rows(a, a.k, b, p % a.block_size, end - p, buf, stride);
         prefetch_block<KF>(a, a.k, b + 1, hd);
@@ -511,6 +616,35 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     // out_hh = sum_p e_p v_p / sum: each value row read once per group of heads, 4 chunks of 8 at a time
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
+        if constexpr (INT8_IN_PLACE<KF, VF, FAST>) {
+            if (in_place) {
+                const int64_t tok = (a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g;   // first row's token, head
+                const int64_t groups_per_head = hd / a.v.group;
+                const int8_t* vc = static_cast<const int8_t*>(a.v.data) + tok * hd;
+                const float* vs = a.v.scale + tok * groups_per_head;
+                prefetch_block<VF>(a, a.v, b + 1, hd);
+                head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
+                    constexpr int G = decltype(heads)::value;
+                    const float* w[G];
+                    float* acc[G];
+                    for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
+                    const int8_t* v = vc + (a.per_kv ? g * hd : 0);
+                    const float* s = vs + (a.per_kv ? g * groups_per_head : 0);
+                    for (int64_t c = 0; c < nv;) {
+                        for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
+                        if (c + 4 <= nv) {
+                            values_i8_fast<G, 4>(w, v + 8 * c, a.n_kv * hd, s, a.n_kv * groups_per_head, 8 * c, a.v.group, end - p, acc);
+                            c += 4;
+                        } else {
+                            values_i8_fast<G, 1>(w, v + 8 * c, a.n_kv * hd, s, a.n_kv * groups_per_head, 8 * c, a.v.group, end - p, acc);
+                            c += 1;
+                        }
+                    }
+                });
+                p = end;
+                continue;
+            }
+        }
         int64_t stride;
         const auto* vb = Src<VF>::rows(a, a.v, b, p % a.block_size, end - p, buf, stride);
         prefetch_block<VF>(a, a.v, b + 1, hd);
