@@ -204,6 +204,12 @@ def main():
     args = ap.parse_args()
     if not 0 <= args.shared_prefix < args.context:
         ap.error(f"--shared-prefix must be at least 0 and below --context ({args.context}), got {args.shared_prefix}")
+    try:
+        sizes = sorted({int(s) for s in args.sizes.split(",")})
+    except ValueError:
+        ap.error(f"--sizes takes sequence counts separated by commas, got {args.sizes!r}")
+    if sizes[0] != 1:
+        ap.error(f"--sizes must include 1: the aggregates are over one sequence's speed, got {args.sizes!r}")
 
     import torch
 
@@ -212,7 +218,6 @@ def main():
     from localrun.models import resolve_model
 
     torch.set_num_threads(args.threads)
-    sizes = [int(s) for s in args.sizes.split(",")]
     path = resolve_model(args.model)
     parallel = args.parallel or max(sizes)
     llm = LLM(path, n_ctx=args.context + 2 * args.steps + 512, n_threads=args.threads,   # compare_layouts' slack
