@@ -300,6 +300,41 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 get8_fast(const uint16_t*
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// How the fast loops read 8 values at p, channel ch of its row: as stored (float32, or float16
+// widened by vcvtph2ps), or, for int8 pools read in place, the 8 codes widened and multiplied by
+// their scales as they are used (K: the block's per-channel scales; V: the token's per-group
+// scales, next() moving to the next token): exactly the float32 product widen_i8_scaled_avx2
+// writes into the scratch, so the bits are the scratch path's, without the store and the reload
+// (a shared cached prefix, read from cache by every row of a step, was widened 16 times a step:
+// 16-row decode steps took 1.2-1.5x float16's).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 get8_i8(const int8_t* p, __m256 s) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))), s);
+}
+struct AsStored {
+    template <typename R>
+    __attribute__((target("avx2,fma,f16c"))) __m256 operator()(const R* p, int64_t) const { return get8_fast(p); }
+    void next() {}
+};
+struct KeysI8 {                    // ks: the block's hd scales, one per channel, every key alike
+    const float* ks;
+    __attribute__((target("avx2,fma,f16c"))) __m256 operator()(const int8_t* p, int64_t ch) const {
+        return get8_i8(p, _mm256_loadu_ps(ks + ch));
+    }
+    void next() {}
+};
+struct ValuesI8 {                  // vs: the token's scales, one per `group` values (a multiple of 8)
+    const float* vs;
+    int64_t vs_stride;             // the next token's scales
+    int64_t gi[4];                 // the scale of the 4 chunks of 8 read from channel ch0 on
+    ValuesI8(const float* vs_, int64_t vs_stride_, int64_t ch0, int64_t group) : vs(vs_), vs_stride(vs_stride_) {
+        for (int c = 0; c < 4; c++) gi[c] = (ch0 + 8 * c) / group;
+    }
+    __attribute__((target("avx2,fma,f16c"))) __m256 operator()(const int8_t* p, int64_t ch) const {
+        return get8_i8(p, _mm256_broadcast_ss(vs + gi[ch / 8]));
+    }
+    void next() { vs += vs_stride; }
+};
+
 // Scores of G query heads that share a KV head (qs: their scaled queries, hd apart) against n
 // keys (rows `stride` apart): sc[h][j] = q_h . k_j, mx[h] their running maximum. Each key row is
 // read once for the G heads (grouped-query attention), 4 keys x G heads of sums at a time; every
@@ -348,9 +383,10 @@ ALWAYS_INLINE void scores_base(const float* qs, const R* k, int64_t stride, int6
         }
 }
 
-template <int G, int HD, typename R>
+template <int G, int HD, typename R, typename Read = AsStored>
 __attribute__((target("avx2,fma,f16c"), noinline)) void scores_fast(const float* qs, const R* k, int64_t stride,
-                                                                    int64_t hd_rt, int64_t n, float* const* sc, float* mx) {
+                                                                    int64_t hd_rt, int64_t n, float* const* sc, float* mx,
+                                                                    Read read = {}) {
     const int64_t hd = HD ? HD : hd_rt, nv = hd / 8;
     int64_t j0 = 0;
     for (; j0 + 8 <= n; j0 += 8, k += 8 * stride) {
@@ -359,12 +395,12 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void scores_fast(const float*
             const R* kk = k + half * 4 * stride;
             __m256 acc[G][4];
             for (int j = 0; j < 4; j++) {
-                const __m256 kv = get8_fast(kk + j * stride);
+                const __m256 kv = read(kk + j * stride, 0);
                 for (int h = 0; h < G; h++) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(qs + h * hd), kv);
             }
             for (int64_t i = 1; i < nv; i++)
                 for (int j = 0; j < 4; j++) {
-                    const __m256 kv = get8_fast(kk + j * stride + 8 * i);
+                    const __m256 kv = read(kk + j * stride + 8 * i, 8 * i);
                     for (int h = 0; h < G; h++) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + 8 * i), kv, acc[h][j]);
                 }
             for (int h = 0; h < G; h++)
@@ -382,10 +418,10 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void scores_fast(const float*
             __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
             int64_t i = 0;
             for (; i + 2 <= nv; i += 2) {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_fast(k + 8 * i), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i + 8), get8_fast(k + 8 * i + 8), s1);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), read(k + 8 * i, 8 * i), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i + 8), read(k + 8 * i + 8, 8 * i + 8), s1);
             }
-            if (i < nv) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_fast(k + 8 * i), s0);
+            if (i < nv) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), read(k + 8 * i, 8 * i), s0);
             const float t = hsum8((v8)_mm256_add_ps(s0, s1));
             sc[h][j0] = t;
             mx[h] = std::max(mx[h], t);
@@ -411,99 +447,17 @@ ALWAYS_INLINE void values_base(const float* const* w, const R* v, int64_t stride
         for (int c = 0; c < C; c++) store8(acc[h] + 8 * c, sum[h][c]);
 }
 
-template <int G, int C, typename R>
+template <int G, int C, typename R, typename Read = AsStored>
 __attribute__((target("avx2,fma,f16c"), noinline)) void values_fast(const float* const* w, const R* v, int64_t stride,
-                                                                    int64_t n, float* const* acc) {
+                                                                    int64_t n, float* const* acc, Read read = {}) {
     __m256 sum[G][C];
     for (int h = 0; h < G; h++)
         for (int c = 0; c < C; c++) sum[h][c] = _mm256_loadu_ps(acc[h] + 8 * c);
-    for (int64_t j = 0; j < n; j++, v += stride) {
+    for (int64_t j = 0; j < n; j++, v += stride, read.next()) {
         __m256 wj[G];
         for (int h = 0; h < G; h++) wj[h] = _mm256_broadcast_ss(w[h] + j);
         for (int c = 0; c < C; c++) {
-            const __m256 x = get8_fast(v + 8 * c);
-            for (int h = 0; h < G; h++) sum[h][c] = _mm256_fmadd_ps(wj[h], x, sum[h][c]);
-        }
-    }
-    for (int h = 0; h < G; h++)
-        for (int c = 0; c < C; c++) _mm256_storeu_ps(acc[h] + 8 * c, sum[h][c]);
-}
-
-// int8 pools read in place by the vector kernels: each group of 8 codes widened and multiplied by
-// its scales (K: the block's per-channel scales, ks; V: the token's per-group scales) as it is
-// used, exactly the float32 product widen_i8_scaled_avx2 writes into the scratch, so the bits are
-// the scratch path's, without the store and the reload (a shared cached prefix, read from cache by
-// every row of a step, was widened 16 times a step: 16-row decode steps took 1.2-1.5x float16's).
-__attribute__((target("avx2,fma,f16c"))) inline __m256 get8_i8(const int8_t* p, __m256 s) {
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))), s);
-}
-
-// scores_fast over int8 keys scaled per channel (ks: hd scales, the same for every key of the block)
-template <int G, int HD>
-__attribute__((target("avx2,fma,f16c"), noinline)) void scores_i8_fast(const float* qs, const int8_t* k, int64_t stride,
-                                                                       const float* ks, int64_t hd_rt, int64_t n,
-                                                                       float* const* sc, float* mx) {
-    const int64_t hd = HD ? HD : hd_rt, nv = hd / 8;
-    int64_t j0 = 0;
-    for (; j0 + 8 <= n; j0 += 8, k += 8 * stride) {
-        v8 s[G][8];
-        for (int half = 0; half < 2; half++) {
-            const int8_t* kk = k + half * 4 * stride;
-            __m256 acc[G][4];
-            const __m256 s0 = _mm256_loadu_ps(ks);
-            for (int j = 0; j < 4; j++) {
-                const __m256 kv = get8_i8(kk + j * stride, s0);
-                for (int h = 0; h < G; h++) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(qs + h * hd), kv);
-            }
-            for (int64_t i = 1; i < nv; i++) {
-                const __m256 si = _mm256_loadu_ps(ks + 8 * i);
-                for (int j = 0; j < 4; j++) {
-                    const __m256 kv = get8_i8(kk + j * stride + 8 * i, si);
-                    for (int h = 0; h < G; h++) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + 8 * i), kv, acc[h][j]);
-                }
-            }
-            for (int h = 0; h < G; h++)
-                for (int j = 0; j < 4; j++) s[h][half * 4 + j] = (v8)acc[h][j];
-        }
-        for (int h = 0; h < G; h++) {
-            const v8 t = transpose_sum8(s[h]);
-            store8(sc[h] + j0, t);
-            mx[h] = std::max(mx[h], max8(t));
-        }
-    }
-    for (; j0 < n; j0++, k += stride)
-        for (int h = 0; h < G; h++) {
-            const float* qh = qs + h * hd;
-            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 2 <= nv; i += 2) {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_i8(k + 8 * i, _mm256_loadu_ps(ks + 8 * i)), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i + 8), get8_i8(k + 8 * i + 8, _mm256_loadu_ps(ks + 8 * i + 8)), s1);
-            }
-            if (i < nv) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), get8_i8(k + 8 * i, _mm256_loadu_ps(ks + 8 * i)), s0);
-            const float t = hsum8((v8)_mm256_add_ps(s0, s1));
-            sc[h][j0] = t;
-            mx[h] = std::max(mx[h], t);
-        }
-}
-
-// values_fast over int8 values scaled per token and group: value row j's channel ch0 + 8c + i
-// is code x vs[j * vs_stride + (ch0 + 8c) / group] (group a multiple of 8)
-template <int G, int C>
-__attribute__((target("avx2,fma,f16c"), noinline)) void values_i8_fast(const float* const* w, const int8_t* v,
-                                                                       int64_t stride, const float* vs, int64_t vs_stride,
-                                                                       int64_t ch0, int64_t group, int64_t n,
-                                                                       float* const* acc) {
-    __m256 sum[G][C];
-    for (int h = 0; h < G; h++)
-        for (int c = 0; c < C; c++) sum[h][c] = _mm256_loadu_ps(acc[h] + 8 * c);
-    int64_t gi[C];
-    for (int c = 0; c < C; c++) gi[c] = (ch0 + 8 * c) / group;
-    for (int64_t j = 0; j < n; j++, v += stride, vs += vs_stride) {
-        __m256 wj[G];
-        for (int h = 0; h < G; h++) wj[h] = _mm256_broadcast_ss(w[h] + j);
-        for (int c = 0; c < C; c++) {
-            const __m256 x = get8_i8(v + 8 * c, _mm256_broadcast_ss(vs + gi[c]));
+            const __m256 x = read(v + 8 * c, 8 * c);
             for (int h = 0; h < G; h++) sum[h][c] = _mm256_fmadd_ps(wj[h], x, sum[h][c]);
         }
     }
@@ -572,7 +526,7 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                     float* sc[G];
                     for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
                     const int64_t at = a.per_kv ? g * hd : 0;
-                    scores_i8_fast<G, HD>(qs + h0 * hd, kc + at, a.n_kv * hd, ks + at, hd, end - p, sc, mx + h0);
+                    scores_fast<G, HD>(qs + h0 * hd, kc + at, a.n_kv * hd, hd, end - p, sc, mx + h0, KeysI8{ks + at});
                 });
                 p = end;
                 continue;
@@ -632,13 +586,9 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                     const float* s = vs + (a.per_kv ? g * groups_per_head : 0);
                     for (int64_t c = 0; c < nv;) {
                         for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
-                        if (c + 4 <= nv) {
-                            values_i8_fast<G, 4>(w, v + 8 * c, a.n_kv * hd, s, a.n_kv * groups_per_head, 8 * c, a.v.group, end - p, acc);
-                            c += 4;
-                        } else {
-                            values_i8_fast<G, 1>(w, v + 8 * c, a.n_kv * hd, s, a.n_kv * groups_per_head, 8 * c, a.v.group, end - p, acc);
-                            c += 1;
-                        }
+                        const ValuesI8 read(s, a.n_kv * groups_per_head, 8 * c, a.v.group);
+                        if (c + 4 <= nv) { values_fast<G, 4>(w, v + 8 * c, a.n_kv * hd, end - p, acc, read); c += 4; }
+                        else { values_fast<G, 1>(w, v + 8 * c, a.n_kv * hd, end - p, acc, read); c += 1; }
                     }
                 });
                 p = end;
