@@ -94,9 +94,11 @@ class Plan:
         return kv_bytes_per_token(self.profile, self.settings.kv)
 
     def kv_budget_bytes(self) -> tuple[int, ...]:
-        """Per device (machine order), the bytes a KV cache may take there: what the plan puts
-        there plus the headroom left, for devices that hold KV cache; 0 elsewhere."""
-        return tuple(u.kv_bytes + max(0, u.headroom_bytes) if u.kv_bytes else 0 for u in self.usage)
+        """Per device (machine order), the bytes localrun's engine may give its KV pool there:
+        what the plan puts there plus the headroom left (less when the device is over budget,
+        so the pool holds what there is instead of failing later), for devices that hold KV
+        cache; 0 elsewhere. The engine sizes its pool with these (localrun/placement.py)."""
+        return tuple(max(0, u.kv_bytes + u.headroom_bytes) if u.kv_bytes else 0 for u in self.usage)
 
 
 def candidates(profile: ModelProfile, machine: Machine, settings: PlanSettings,

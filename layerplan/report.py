@@ -39,10 +39,11 @@ def plan_to_dict(plan: Plan) -> dict:
             "free_bytes": u.device.free_bytes,
             "budget_bytes": u.budget_bytes,
             "headroom_bytes": u.headroom_bytes,
+            "kv_budget_bytes": budget,
             "n_layers": u.n_layers,
             "holds_output_head": u.holds_head,
             "source": u.device.source,
-        } for u in plan.usage],
+        } for u, budget in zip(plan.usage, plan.kv_budget_bytes())],
         "predicted": {
             "decode_tok_s": round(p.decode_tok_s, 3),
             "decode_tok_s_total": round(p.decode_tok_s_total, 3),

@@ -55,7 +55,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     kv_type: str | None = None        # f32, bf16, f16, int8, fp8 (ENGINE_KV_TYPES); None: f16 for a float32
                                       # model, else the compute dtype's
-    kv_budget_bytes: int | str | None = None   # KV pool bytes ("2GiB"); None: a share of free memory
+    kv_budget_bytes: int | str | None = None   # KV pool bytes ("2GiB"); None: the plan's, per device
     enable_prefix_caching: bool = True
     cache_ram: int | str | None = None    # host RAM ("4GiB") for prefix blocks the pool evicts, copied back on a
                                           # hit; None: min(4 GiB, 25% of free RAM) with the KV on a GPU, 0 (off)

@@ -18,7 +18,7 @@ from localrun.gguf_file import GGUFModelFile
 from localrun.loader import file_weights, load_weights
 from localrun.model.gguf_weight import weight_math
 from localrun.model.llama import Transformer
-from localrun.placement import DeviceMap, all_on, parse_layer_count, plan_device_map
+from localrun.placement import DeviceMap, plan_device_map
 
 REFERENCE_ENV = "LOCALRUN_REFERENCE"
 
@@ -37,14 +37,15 @@ def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantize
                 n_gpu_layers=None, device_map: DeviceMap | None = None, n_parallel: int = 1,
                 kv_type: str | None = None, prompt_math: str = DEFAULT_PROMPT_MATH) -> Transformer:
     """The Transformer of `file` placed by `device_map`, or by layerplan for `n_gpu_layers`
-    ('auto', None or a number; all-CPU on a machine without a GPU). prompt_math: how quantized
-    weights multiply prompt rows (EngineConfig.prompt_math, model/gguf_weight.py)."""
+    ('auto', None or a number; all-CPU on a machine without a GPU), with the plan's KV budget
+    per device for the engine's pool. kv_type: the engine's (None: its default, 16 bits a value
+for every compute dtype, as f16 plans).
+    prompt_math: how quantized weights multiply prompt rows (EngineConfig.prompt_math,
+    model/gguf_weight.py)."""
     if device_map is None:
-        if parse_layer_count(n_gpu_layers) in (None, 0) and not torch.cuda.is_available():
-            device_map = all_on("cpu", file.config.n_layers)
-        else:
-            device_map = plan_device_map(file.path, n_gpu_layers, n_ctx=n_ctx, n_parallel=n_parallel,
-                                         kv_type=kv_type)
+        device_map = plan_device_map(file.profile, n_gpu_layers, n_ctx=n_ctx, n_parallel=n_parallel,
+                                     kv_type=kv_type or "f16",   # the engine's default's bytes
+                                     use_gpus=torch.cuda.is_available())
     if quantized:
         weights = file_weights(file)
     else:

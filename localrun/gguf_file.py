@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 from layerplan.ggml_types import GGML_TYPES
 from layerplan.gguf_header import GGUFFormatError, GGUFHeader, TensorInfo, read_header
-from layerplan.model_profile import profile_from_header
+from layerplan.model_profile import ModelProfile, profile_from_header
 from localrun.config import ModelConfig
 from localrun.errors import UserError
 from localrun.vocab_check import check_vocabulary
@@ -31,6 +31,7 @@ class GGUFModelFile:
     header: GGUFHeader
     config: ModelConfig
     tensors: dict[str, TensorInfo]    # by name; TensorInfo.offset is relative to header.data_offset
+    profile: ModelProfile             # the planner's view of the same header (placement plans with it)
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFModelFile:
@@ -46,8 +47,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFModelFile:
         raise UserError(f"{path}: cannot be read as GGUF ({e})") from None
     tensors = {t.name: t for t in header.tensors}
     config = ModelConfig.from_header(header, tensors)
-    try:   # the planner's own bounds: placement profiles this same header later
-        profile_from_header(header)
+    try:   # the planner's own bounds; placement plans with this profile (one read of the header)
+        profile = profile_from_header(header)
         check_vocabulary(header)
     except GGUFFormatError as e:
         raise UserError(f"{path}: {e.detail}") from None
@@ -64,7 +65,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFModelFile:
         if info.type_id not in _SUPPORTED_IDS:
             raise UserError(f"{path}: tensor '{name}' has type {type_name(info.type_id)}, which is not supported "
                             f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
-    return GGUFModelFile(path, header, config, tensors)
+    return GGUFModelFile(path, header, config, tensors, profile)
 
 
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_TYPES)

@@ -1,13 +1,16 @@
 """Which device runs each part of the model: layerplan's plan turned into a `DeviceMap`.
 
 A DeviceMap names, per repeating layer, the device that holds its weights and KV cache, and
-the device group it belongs to; the model moves its activations to the next group's device
+the device group it belongs to, and, when layerplan made it, the bytes each device's KV pool
+may take (the plan's KV plus the headroom it leaves there: what `localrun plan` prints is what
+the engine allocates); the model moves its activations to the next group's device
 exactly where the group changes (once per boundary). Groups, not devices, mark the boundaries
 so that a map with two groups that are both the CPU runs the boundary code on machines
 without a GPU (the tests do that).
 
 `--gpu-layers` counts as llama.cpp's -ngl (the last N layers; n_layers + 1 adds the output
-head); 'auto' lets layerplan choose, which on a machine without a GPU is all-CPU.
+head); 'auto' lets layerplan choose, which on a machine without a GPU is all-CPU (still a
+plan: it sizes the host's KV pool).
 Plain Python: imports neither torch nor the model.
 """
 from __future__ import annotations
@@ -28,6 +31,12 @@ class DeviceMap:
     embedding_device: str = HOST       # the token table is a lookup: it stays in host memory
     embedding_group: int = -1
     summary: str = ""
+    kv_budget: tuple[tuple[str, int], ...] = ()   # (device, bytes) for each device holding KV;
+                                                   # (): no plan, the engine's share of free memory
+
+    def kv_budget_on(self, device: str) -> int | None:
+        """The plan's KV bytes for `device` ('cpu', 'cuda:0'), None without a plan."""
+        return dict(self.kv_budget).get(device) if self.kv_budget else None
 
     @property
     def n_gpu_layers(self) -> int:
@@ -68,15 +77,19 @@ def parse_layer_count(value, option: str = "n_gpu_layers") -> int | None:
     return n
 
 
-def plan_device_map(model_path, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1, kv_type: str = "f16",
-                    machine=None) -> DeviceMap:
-    """Ask layerplan where each layer goes on this machine (or `machine`), as a DeviceMap."""
+def plan_device_map(model, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1, kv_type: str = "f16",
+                    machine=None, use_gpus: bool = True) -> DeviceMap:
+    """Ask layerplan where each layer goes on this machine (or `machine`), and what each
+    device's KV pool may take, as a DeviceMap. model: a ModelProfile (the header the loader
+    already read) or a .gguf path. use_gpus=False plans for the host alone (torch without CUDA)."""
+    import dataclasses
+
     import layerplan
     n = parse_layer_count(n_gpu_layers)
-    profile = layerplan.profile_gguf(model_path)
+    profile = model if isinstance(model, layerplan.ModelProfile) else layerplan.profile_gguf(model)
     machine = machine or layerplan.probe_machine()
-    if n is None and not machine.gpus:
-        return all_on(HOST, profile.n_layers)
+    if not use_gpus:
+        machine = dataclasses.replace(machine, gpus=())
     try:
         plan = layerplan.plan(profile, machine, n_ctx=n_ctx, n_parallel=n_parallel,
                               kv_type=kv_type or "f16", n_gpu_layers=n, with_sweep=False)
@@ -86,7 +99,8 @@ def plan_device_map(model_path, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1
 
 
 def device_map_from_plan(plan) -> DeviceMap:
-    """layerplan's Plan -> DeviceMap: machine device i is 'cuda:i' for GPUs, the host 'cpu'."""
+    """layerplan's Plan -> DeviceMap: machine device i is 'cuda:i' for GPUs, the host 'cpu';
+    each device that holds KV gets the plan's budget for it (Plan.kv_budget_bytes)."""
     p, devices = plan.placement, plan.machine.devices
 
     def name(i: int) -> str:
@@ -98,9 +112,10 @@ def device_map_from_plan(plan) -> DeviceMap:
 
     n_on_gpu = sum(devices[i].kind == "gpu" for i in p.layer_devices)
     head = name(p.head_device)
-    summary = (f"plan: {n_on_gpu}/{len(p.layer_devices)} layers on GPU, output head on {head}, "
-               f"predicted decode {plan.predicted.decode_tok_s:.0f} tok/s"
+    where = (f"all {len(p.layer_devices)} layers and the output head on {HOST}" if n_on_gpu == 0 and head == HOST
+             else f"{n_on_gpu}/{len(p.layer_devices)} layers on GPU, output head on {head}")
+    summary = (f"plan: {where}, predicted decode {plan.predicted.decode_tok_s:.0f} tok/s"
                + ("" if plan.fits else " (does not fit: " + " ".join(plan.reasons[:1]) + ")"))
+    kv_budget = tuple((name(i), b) for i, b in enumerate(plan.kv_budget_bytes()) if b > 0)
     return DeviceMap(tuple(name(i) for i in p.layer_devices), tuple(group(i) for i in p.layer_devices),
-                     head, group(p.head_device), summary=summary)
-
+                     head, group(p.head_device), summary=summary, kv_budget=kv_budget)

@@ -90,3 +90,67 @@ def test_the_server_touches_no_private_attribute_of_another_object():
                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
         assert private == [], (path.name, private)
         assert not re.search(r"\.engine\.(block_manager|scheduler|kv_cache)\b", code), path.name
+
+
+# The arrows each part must never draw (DESIGN.md's table; issue 17's guard rails).
+ENGINE_NEVER = ("localrun.cli", "localrun.server", "localrun.models",                 # face, server, catalog
+                "localrun.executor", "localrun.loader", "localrun.gguf_file", "localrun.config",  # build
+                "localrun.api", "localrun.frontend")
+BUILD = ("localrun.executor", "localrun.loader", "localrun.gguf_file", "localrun.config", "localrun.placement")
+ENGINE_CORE = ("localrun.engine.sequence", "localrun.engine.block_manager", "localrun.engine.scheduler",
+               "localrun.engine.spec_control")
+
+
+def under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_engine_imports_no_face_server_catalog_or_build():
+    known = module_names("localrun")
+    bad = {name: sorted(i for i in imports(path, known) if under(i, ENGINE_NEVER))
+           for name, path in known.items() if under(name, ("localrun.engine",)) and name != "localrun.engine_config"}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_the_build_layer_imports_no_engine():
+    known = module_names("localrun")
+    bad = {name: sorted(i for i in imports(known[name], known) if under(i, ("localrun.engine",)))
+           for name in BUILD}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_layerplan_imports_no_localrun_and_torch_only_inside_functions():
+    """layerplan stands alone: no localrun anywhere, and torch only where a function needs it
+    (the GPU probe and calibration), so `plan` and the guard rails never load torch."""
+    found = []
+    for path in sorted((ROOT / "layerplan").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        in_functions = {id(n) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top == "localrun" or (top == "torch" and id(node) not in in_functions):
+                    found.append(f"{path.name}:{node.lineno} {name}")
+    assert found == []
+
+
+def test_the_engine_core_runs_without_torch():
+    """The policy (sequences, blocks, scheduler, speculation control) imports no torch, even
+    through its package: checked in a fresh interpreter."""
+    import subprocess
+    import sys
+    code = ("import sys; " + "; ".join(f"import {m}" for m in ENGINE_CORE)
+            + "; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_guards_see_a_forbidden_import(tmp_path):
+    """The AST reader behind these guards finds an import inside a function and a from-import."""
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from localrun.server import app\n")
+    assert imports(path, {"localrun.server": path, "localrun.server.app": path}) == {"localrun.server.app"}

@@ -107,3 +107,59 @@ def test_cli_gpu_layers(tiny_gguf):
     if not torch.cuda.is_available():
         bad = run("--gpu-layers", "2")
         assert bad.returncode == 2 and "needs a GPU" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_the_engine_allocates_the_kv_budget_the_plan_prints(tiny_gguf, monkeypatch):
+    """What `localrun plan --json` gives a device as `kv_budget_bytes` is what the engine's pool
+    takes there. The host's RAM is made tight, so the plan's budget, not parallel x ctx, decides:
+    the pool holds the budget's whole blocks (100 of them here), not a share of free memory."""
+    from layerplan.report import plan_to_dict
+    path = tiny_gguf("F32", n_layers=4)
+    profile = layerplan.profile_gguf(path)
+    n_ctx, n_parallel = 256, 8
+
+    def machine(ram: int):
+        return layerplan.build_machine(ram=str(ram), probe_gpus=False)
+
+    def host_budget(m) -> int:
+        plan = layerplan.plan(profile, m, n_ctx=n_ctx, n_parallel=n_parallel, kv_type="f16", with_sweep=False)
+        return plan_to_dict(plan)["devices"][-1]["kv_budget_bytes"]
+    token_bytes = layerplan.kv_bytes_per_token(profile, "f16")
+    target = 100 * 16 * token_bytes + token_bytes // 2        # 100 blocks and half a token's bytes
+    roomy = 64 * 2**30
+    tight = machine(roomy - (host_budget(machine(roomy)) - target))
+    assert host_budget(tight) == target < n_ctx * n_parallel * token_bytes
+    monkeypatch.setattr(layerplan, "probe_machine", lambda: tight)
+    llm = LLM(path, n_threads=1, n_ctx=n_ctx, n_parallel=n_parallel, kv_type="f16")
+    assert llm.model.device_map.kv_budget == (("cpu", target),)
+    engine = llm.engine
+    assert engine.bytes_per_token == token_bytes
+    assert engine.num_blocks == 100
+    # roomy: parallel x ctx decides, as the plan's kv_bytes say
+    monkeypatch.setattr(layerplan, "probe_machine", lambda: machine(roomy))
+    llm = LLM(path, n_threads=1, n_ctx=n_ctx, n_parallel=n_parallel, kv_type="f16")
+    assert llm.engine.num_blocks * 16 == n_ctx * n_parallel
+
+
+def test_a_gpu_plan_sizes_each_devices_pool_from_its_own_budget(tiny_gguf):
+    """Layers split between a GPU and the host: each device's pool room is the plan's budget
+    there (no free-memory probe of the GPU), and the device with the least room per token
+    decides how many tokens the pool holds."""
+    from localrun.engine.llm_engine import default_num_tokens
+    path = tiny_gguf("Q4_0", n_layers=4)
+    profile = layerplan.profile_gguf(path)
+    plan = layerplan.plan(profile, layerplan.build_machine(vram=["1GiB"], ram="16GiB"), n_ctx=256,
+                          n_gpu_layers=3, with_sweep=False)
+    gpu_budget, host_budget = plan.kv_budget_bytes()
+    dm = device_map_from_plan(plan)
+    assert dm.layer_devices == ("cpu", "cuda:0", "cuda:0", "cuda:0")
+    assert dm.kv_budget == (("cuda:0", gpu_budget), ("cpu", host_budget)) and 0 < gpu_budget < host_budget
+    assert dm.kv_budget_on("cuda:0") == gpu_budget and all_on("cpu", 4).kv_budget_on("cpu") is None
+    per_layer_token = 100
+    devices = [torch.device(d) for d in dm.layer_devices]           # no tensor is placed: no GPU needed
+    assert default_num_tokens(devices, per_layer_token, dm.kv_budget_on) == min(
+        gpu_budget // (3 * per_layer_token), host_budget // per_layer_token)
+    # what another pool (the sliding-window layers') takes on a device is not the KV's to use
+    assert default_num_tokens(devices, per_layer_token, dm.kv_budget_on,
+                              lambda d: gpu_budget // 2 if d == "cuda:0" else 0) == min(
+        (gpu_budget - gpu_budget // 2) // (3 * per_layer_token), host_budget // per_layer_token)

@@ -46,7 +46,7 @@ MaxBatchedTokensOpt = typer.Option(None, "--max-batched-tokens", "-b", help="Tok
                                    "else 512).")
 NoChunkedPrefillOpt = typer.Option(False, "--no-chunked-prefill", help="Compute each prompt in one step (needs "
                                    "--max-batched-tokens >= --ctx).")
-KvBudgetOpt = typer.Option(None, "--kv-budget", help="KV cache memory, e.g. 2GiB (default: a share of free memory).")
+KvBudgetOpt = typer.Option(None, "--kv-budget", help="KV cache memory, e.g. 2GiB (default: the plan's budget per device, as `localrun plan` prints it).")
 NoPrefixCacheOpt = typer.Option(False, "--no-prefix-cache", help="Recompute every prompt.")
 ScheduleOpt = typer.Option("fcfs", "--schedule", help="Admission order: fcfs, or cache_aware (longest cached "
                            "prefix first, none passed over more than 16 times).")

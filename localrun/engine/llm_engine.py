@@ -5,9 +5,10 @@ ModelRunner). A caller adds requests at any time and calls `step()` in a loop; e
 schedules one batch (decodes first, then prefill chunks, then new requests), runs one forward
 over it, samples, and reports what every sequence in the batch got.
 
-KV capacity: `num_blocks`, or a KV byte budget (`kv_budget_bytes`), or by default a fraction
-of the free memory of the layers' devices, capped at `max_num_seqs` full contexts (more could
-never be used at once).
+KV capacity: `num_blocks`, or a KV byte budget (`kv_budget_bytes`), or by default the plan's
+budget for each device the model's DeviceMap carries (layerplan, localrun/placement.py; what
+`localrun plan` prints), or, for a model placed without a plan, a fraction of each device's
+free memory; capped at `max_num_seqs` full contexts (more could never be used at once).
 """
 from __future__ import annotations
 
@@ -58,12 +59,22 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * HOST_MEMORY_FRACTION)
 
 
-def default_num_tokens(devices: list[torch.device], bytes_per_layer_token: float) -> int:
-    """Tokens the default budget holds: the device with the least room per token decides."""
+def default_num_tokens(devices: list[torch.device], bytes_per_layer_token: float,
+                       planned: Callable[[str], int | None] = lambda device: None,
+                       reserved: Callable[[str], int] = lambda device: 0) -> int:
+    """Tokens the pool holds by default: the device with the least room per token decides.
+    A device's room is the plan's KV budget for it (`planned`, DeviceMap.kv_budget_on), less
+    what is `reserved` there (the sliding-window pool); without a plan, a share of its free memory."""
     layers_on: dict[torch.device, int] = {}
     for device in devices:
         layers_on[device] = layers_on.get(device, 0) + 1
-    return min(int(free_memory_bytes(d) // (n * bytes_per_layer_token)) for d, n in layers_on.items())
+
+    def room(device: torch.device) -> int:
+        budget = planned(str(device))
+        return max(0, (free_memory_bytes(device) if budget is None else budget) - reserved(str(device)))
+    if not layers_on:       # every layer slides: the pool never grows with the context
+        return 2 ** 62
+    return min(int(room(d) // (n * bytes_per_layer_token)) for d, n in layers_on.items())
 
 
 class LLMEngine:
@@ -109,9 +120,15 @@ class LLMEngine:
             kv_budget_bytes = max(0, kv_budget_bytes - self.local_pool_bytes)
         self.bytes_per_token = kv_bytes_per_token(config.n_layers - config.num_local_layers, config.n_head_kv,
                                                   config.head_dim, element_bytes)
-        self.num_blocks = self._num_blocks(num_blocks, kv_budget_bytes, block_size, max_num_seqs, devices,
-                                           kv_bytes_per_token(1, config.n_head_kv, config.head_dim,
-                                                              element_bytes))
+        layer_token_bytes = kv_bytes_per_token(1, config.n_head_kv, config.head_dim, element_bytes)
+        local = config.local_layers or (False,) * config.n_layers
+
+        def reserved(device: str) -> int:     # the sliding-window pool's bytes on `device`
+            on = sum(is_local and str(d) == device for d, is_local in zip(devices, local))
+            return on * self.num_local_blocks * block_size * layer_token_bytes
+        self.num_blocks = self._num_blocks(num_blocks, kv_budget_bytes, block_size, max_num_seqs,
+                                           [d for d, is_local in zip(devices, local) if not is_local],
+                                           layer_token_bytes, model.device_map.kv_budget_on, reserved)
         self.kv_cache = PagedKVCache(num_blocks=self.num_blocks, block_size=block_size,
                                      n_layers=config.n_layers, n_head_kv=config.n_head_kv,
                                      head_dim=config.head_dim, kv_type=kv_type,
@@ -152,8 +169,8 @@ class LLMEngine:
         self.itl_stats = {"itl_planned_steps": 0, "itl_target_misses": 0, "step_planned_s": 0.0,
                           "step_actual_s": 0.0}
 
-    def _num_blocks(self, num_blocks, kv_budget_bytes, block_size, max_num_seqs, devices,
-                    bytes_per_layer_token) -> int:
+    def _num_blocks(self, num_blocks, kv_budget_bytes, block_size, max_num_seqs, global_devices,
+                    bytes_per_layer_token, planned, reserved) -> int:
         if num_blocks is not None and kv_budget_bytes is not None:
             raise UserError("Give either num_blocks or kv_budget_bytes, not both.")
         if num_blocks is not None:
@@ -163,7 +180,7 @@ class LLMEngine:
         if kv_budget_bytes is not None:
             num_tokens = int(kv_budget_bytes // self.bytes_per_token)
         else:
-            num_tokens = default_num_tokens(devices, bytes_per_layer_token)
+            num_tokens = default_num_tokens(global_devices, bytes_per_layer_token, planned, reserved)
         num_blocks = min(num_tokens // block_size, -(-max_num_seqs * self.max_model_len // block_size))
         if num_blocks * block_size < self.max_model_len:
             raise UserError(f"The KV budget holds {num_blocks * block_size} tokens, fewer than the "
