@@ -25,8 +25,8 @@ the CPU, with the cores they used meanwhile recorded (layerplan.quiet); a timing
 repeat makes the calibration suspect. A decode timing is the median of its steps, so one late
 step (a garbage collection) does not move it, and the fastest quiet repeat counts (other work only
 ever adds time). Prompt steps vary by themselves: they allocate the unpacked weights afresh, and
-whether the allocator hands back pages it kept or takes fresh ones from the kernel (0 to ~130k
-page faults, up to +130 ms a step for SmolLM2) differs from step to step and process to process.
+whether the allocator hands back pages it kept or takes fresh ones from the kernel (page faults
+that can add a third to a step; docs/measurements.md) differs from step to step and process to process.
 That is the engine's own cost, which a user meets, so a prompt timing is the median of its quiet
 repeats, not the luckiest one. A warm-up runs first in every engine, so
 first-touch costs (weights paged in, kernels set up) are not timed.

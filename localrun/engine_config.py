@@ -45,7 +45,7 @@ class EngineConfig:
                                       # kernels); None: yes, unless dtype="float32" is asked for or
                                       # LOCALRUN_REFERENCE=1 (localrun/executor.py)
     prompt_math: str = DEFAULT_PROMPT_MATH   # prompt rows times quantized weights: "int8" (activations rounded
-                                      # to 8-bit blocks, as decode rows and llama.cpp: 1.5x the prompt speed) or
+                                      # to 8-bit blocks, as decode rows and llama.cpp: the faster) or
                                       # "float32" (the exact model to float32 rounding); model/gguf_weight.py
     n_gpu_layers: int | str | None = "auto"   # 'auto' (layerplan chooses; all-CPU without a GPU) or
                                               # llama.cpp's -ngl count

@@ -90,7 +90,7 @@ class SamplerState:
 
 def argmax(logits: torch.Tensor) -> int:
     """The index of the largest logit (the first one on ties, a NaN's if any), as torch's argmax:
-    on the CPU through numpy's, ~20x faster over a vocabulary (6 against 120 us for 49k)."""
+    on the CPU through numpy's, an order of magnitude faster over a vocabulary (docs/measurements.md)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return int(logits.numpy().argmax())
     return int(logits.argmax())
@@ -169,8 +169,8 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def _topk(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, n); a float32 row on the CPU goes through the compiled one-pass kernel
-    (kernels.topk: the same values and, but for ties, the same ids; ties lowest index first): ~27 us
-    over 49k logits and 53 over 262k, where torch.topk took 90-570 us inside a decode step."""
+    (kernels.topk: the same values and, but for ties, the same ids; ties lowest index first),
+    several times faster than torch.topk inside a decode step (docs/measurements.md)."""
     if logits.dim() == 1 and logits.dtype == torch.float32 and logits.device.type == "cpu" and kernels.available():
         return kernels.topk(logits, n)
     return torch.topk(logits, n)
@@ -181,7 +181,7 @@ def candidate_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tens
     distribution of softmax(filter_logits(logits, p) / temperature), computed over top-k's
     candidates only (every token tied with the k-th included, as filter_logits keeps them), as
     llama.cpp's sampler chain does. Over a 49k vocabulary the full-width chain (a sort, three
-    softmaxes, a draw over all V) took ~4 ms a token on 2 Zen 3 cores, a quarter of a decode step."""
+    softmaxes, a draw over all V) took a quarter of a decode step (docs/measurements.md)."""
     values = ids = kth = None
     k = p.top_k
     if 0 < k < logits.shape[-1]:

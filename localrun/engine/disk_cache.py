@@ -13,8 +13,8 @@ pool (one gather per pool tensor, a memory copy) and queues them; a background t
 lowest CPU priority, waits until the engine is idle (no request in flight: `set_busy`), then
 serializes each block to a temporary file and renames it into place (atomic on POSIX and
 Windows). On a 2-core machine, writing during the prefill that produced the blocks made that
-request's TTFT 1.39x slower; writing between requests costs requests nothing. A chat turn or
-a server's pause between requests is ample time (~1-2 ms per block).
+request's TTFT markedly slower (docs/measurements.md); writing between requests costs requests
+nothing. A chat turn or a server's pause between requests is ample time (a block takes ms).
 Under load that never pauses, the engine opens a write window between its steps instead
 (`write_window`): it waits while the writer runs, for the slack the step left below the
 inter-token latency target, or without a target a tenth of the step's time, and, while the
@@ -36,8 +36,8 @@ Hit and write counts are added to `<root>/stats.json` when the cache is flushed
 (read-modify-write: concurrent processes may lose a few counts).
 
 Reads are on the request's path (the engine loads a waiting request's prefix before admitting
-it): one file read, a CRC and a copy into the pool per block, ~1-3 ms per 16-token block of
-SmolLM2 in f32, against ~50 ms to compute it on a 2-core CPU.
+it): one file read, a CRC and a copy into the pool per block, an order of magnitude less than
+computing the block (docs/measurements.md).
 """
 from __future__ import annotations
 

@@ -27,9 +27,8 @@ DEFAULT_PARAMS = SamplingParams()
 # A prompt chunk of at most this many rows right after the decode rows (the small chunks an
 # inter-token latency target leaves room for, a prompt's tail) is attended by the paged kernel
 # too, each row a query over its own prefix, as verify rows are, instead of its cached prefix
-# being gathered per layer for one masked SDPA. Zen 3, SmolLM2, 8 decodes plus a chunk over 1500
-# cached tokens: 16 rows 205 -> 163 ms a step; 32 rows 300 -> 335 ms (SDPA's blocked products
-# win there: the kernel reads the keys once per row).
+# being gathered per layer for one masked SDPA: faster up to 16 rows, slower at 32, where
+# SDPA's blocked products win (the kernel reads the keys once per row; docs/measurements.md).
 PAGED_PROMPT_ROWS = 16
 
 

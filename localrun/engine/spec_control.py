@@ -53,10 +53,10 @@ class StepCostModel:
     forward (`measure`) scaled to the real steps.
 
     A scratch forward runs on a cache of its own, outside the engine's fused paths, so its level
-    is not the engine's while its growth with T is (SmolLM2 on Zen 3: one row 20 ms against
-    12 ms in real steps). Taken as a real sample, it priced a 5-row verify step at 4.5x a plain
-    one against 2.3x measured later, so the controller never drafted 4 tokens and no real step
-    could correct it. So a scratch size counts at the real level: scaled by real / scratch at
+    is not the engine's while its growth with T is (a one-row scratch forward took well over a
+    real step's time). Taken as a real sample, it priced a 5-row verify step at about twice its
+    measured ratio to a plain one, so the controller never drafted 4 tokens and no real step
+    could correct it (docs/measurements.md). So a scratch size counts at the real level: scaled by real / scratch at
     the nearest size measured both ways (a size real steps have shown is measured in scratch
     once for that, when none is yet)."""
 

@@ -7,7 +7,7 @@ differently: decode rows run the fused one-call-per-block path, prompt rows the 
 (and float32 products with prompt_math float32) whose cost per token is higher for a small
 chunk, and a chunk's attention grows with the context it sits on. Keyed by its token count
 alone, a step of 8 decodes and a 16-token chunk over 1500 cached tokens was predicted as a
-24-row decode step (~40 ms) and took 160-220 ms (SmolLM2, Zen 3): the controller then
+24-row decode step and took 4-5x that (docs/measurements.md): the controller then
 over-packed every mixed step, or, learning from both kinds under one key, shrank every chunk to
 a block. So:
 
@@ -27,12 +27,11 @@ the model has since learned from shrinks). The largest, not a quantile: every st
 inter-token gap of every stream it carries, so the streams' ITL p99 is about the step times'
 p99, and a target missed by one step in ten is missed at p99. Before MIN_OVERRUNS of them the
 factor is PRIOR_OVERRUN: the first mixed steps are priced from scratch forwards and prompt-only
-steps, which know neither the decode rows' long contexts nor a small chunk's fixed cost. 16 requests
-at once over a 1024-token shared prefix (SmolLM2, 2 Zen 4 cores, a 150 ms target): the first
-mixed step took 1.46-1.91x its prediction in six runs (up to 220 ms), and it was every
-request's ITL p99; requests arriving 0.25 s apart: 0.95-1.33x. bound() adds the time between
-one step's end and the next one's start while requests wait (scheduling, the sampled tokens
-turned into text and sent: 2-5 ms with 16 streams), which a stream's inter-token gap includes.
+steps, which know neither the decode rows' long contexts nor a small chunk's fixed cost (in a
+burst of requests over a long shared prefix, the first mixed step overran its prediction by
+up to ~2x and was every request's ITL p99; docs/measurements.md). bound() adds the time
+between one step's end and the next one's start while requests wait (scheduling, the sampled
+tokens turned into text and sent), which a stream's inter-token gap includes.
 """
 from __future__ import annotations
 

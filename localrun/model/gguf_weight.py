@@ -8,8 +8,8 @@ How a weight multiplies its rows is a `WeightMath`, one per model (executor.buil
   32 (as ggml's q8_0) and multiplied with integer dot products, every row on its own, so a
   sequence's decode rows give the same bits whatever else shares the step.
 - Prompt rows, with `prompt="int8"` (the default, EngineConfig.prompt_math): the same kernel, so
-  a prompt row is computed as a decode row is, as llama.cpp computes every row. 1.5x the
-  prompt speed of the float path on Zen 4 (docs/kernels.md). Its error is that of 8-bit
+  a prompt row is computed as a decode row is, as llama.cpp computes every row, and faster
+  than the float path (docs/measurements.md). Its error is that of 8-bit
   activations, llama.cpp's: mean KL 3.9e-3 (SmolLM2) and 2.3e-3 (gemma-3) from the exact float64
   model, llama.cpp's own 3.6e-3 and 5.5e-3 (docs/kernels.md); and since the rounding of one
   activation code can flip on a 1e-7 change of its input, a prompt split into other chunks
@@ -56,16 +56,14 @@ def weight_math(n_parallel: int, prompt: str = DEFAULT_PROMPT_MATH) -> WeightMat
 def lane_types(n_parallel: int) -> frozenset[int]:
     """The GGML types whose decode rows use the integer kernel's lane layout (eight weight rows side
     by side, csrc/qmatmul_simd.h) rather than the row layout, in an engine built for n_parallel
-    sequences. Measured in decode steps on Zen 3
-    (benchmarks/batched_decode.py --compare-layouts, 2026-12-02), the lanes take 0.95-0.99x the
-    rows' time with one sequence, 0.88-0.92x with 4 and 0.76-0.80x with 16, so every engine
-    (LANES_MIN_PARALLEL = 1) uses them on AVX2; the threshold was 8 while a thread-local lookup
-    in the lane kernel's loops made one row 5-10% slower. One engine uses one layout for every
+    sequences. In decode steps the lanes are as fast as the rows with one sequence and faster the
+    more there are (benchmarks/batched_decode.py --compare-layouts; docs/measurements.md), so
+    every engine (LANES_MIN_PARALLEL = 1) uses them on AVX2. One engine uses one layout for every
     call, so a row's result never depends on what shares its step (the two layouts differ by
     summation order). AVX-512 hosts run the same lane kernel with VNNI's vpdpbusd for the steps
     (the same bits as AVX2's: the integer sums are exact either way); see docs/kernels.md. Q8_0 has
-    lanes on AVX-512 only (VNNI), taken from 2 sequences on: Zen 4, gemma-3-270m (its 262k x 640
-    Q8_0 head), lanes over rows 1.22 at one sequence, 0.78 at 4, 0.63 at 16 (2026-12-03)."""
+    lanes on AVX-512 only (VNNI), taken from 2 sequences on, where they beat the rows (one
+    sequence is slower in lanes: gemma-3's 262k-row Q8_0 head; docs/measurements.md)."""
     isa = kernels.isa()
     if n_parallel < LANES_MIN_PARALLEL or isa not in ("avx2", "avx512"):
         return frozenset()
