@@ -151,14 +151,13 @@ class LLMEngine:
             self.disk_cache = DiskKVCache(disk_cache, ns, self.kv_cache)
             self.block_manager.lower_tiers.append(self.disk_cache)
         scheduler_config = engine_config.scheduler_config(self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(tokenizer_eog_ids), clock)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, tuple(sorted(tokenizer_eog_ids)), clock)
         self.runner = ModelRunner(model, self.kv_cache, local_block_tables=self.block_manager.local_block_table
                                   if self.num_local_blocks else None)
         self.speculator = None if speculative is None else make_speculator(
             speculative, model, max_model_len=self.max_model_len, draft_model=draft_model)
         self.model = model
         self.kv_type = kv_type
-        self.eog_ids = tuple(sorted(tokenizer_eog_ids))
         self.clock = clock
         self._finished_at_add: list[Sequence] = []   # max_tokens=0: reported by the next step
         self.step_cost: MixedStepCost | None = None     # measured step times, under an ITL target
@@ -220,7 +219,7 @@ class LLMEngine:
             # drafts would be checked against one distribution for several prefixes: a grammar
             # matcher and recorded logprobs follow one token at a time
             speculative = params.speculative and matcher is None and params.logprobs is None
-            banned_early = self.eog_ids if params.min_tokens else ()     # with ignore_eos too
+            banned_early = self.scheduler.eos_token_ids if params.min_tokens else ()  # with ignore_eos too
             params = dataclasses.replace(params, state=SamplerState(len(prompt_ids), matcher, banned_early),
                                          speculative=speculative)
         seq = Sequence(request_id, prompt_ids, params, arrival_time)
