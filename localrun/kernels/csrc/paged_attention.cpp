@@ -255,16 +255,26 @@ void widen_fp8_base(float* dst, const uint8_t* src, int64_t n) {
 // L1 while each head uses it. Every head's arithmetic is the same, in the same order, as it
 // would be alone. HD: the head size at compile time (a multiple of 8), 0 for any multiple of
 // 8 at run time.
-// Ask for the next block's rows of KV head g (keys or values) while this block is used: the
-// blocks of a sequence lie anywhere in the pool, so the hardware prefetcher cannot follow.
-template <typename Fmt>
+// Ask for a block's rows of KV head g (keys or values) ahead of their use: the blocks of a
+// sequence lie anywhere in the pool, so the hardware prefetcher cannot follow. LOCALITY 3: into
+// L1, for the block used next; 1: into L2 only. During the keys' pass, the keys two blocks on
+// and this block's values go to L2, so the values' pass finds them there: asked into L1 from
+// memory, the requests of a 16-row decode step waited in the prefetch loops themselves, and
+// the step's attention took 1.4-1.7x as long (docs/measurements.md).
+template <typename Fmt, int LOCALITY = 3>
 ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b, int64_t hd) {
     if (b * a.block_size >= a.L) return;
     const char* row = static_cast<const char*>(pool.data) + (a.table[b] * a.block_size * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
     const int64_t rows = std::min(a.block_size, a.L - b * a.block_size), row_bytes = a.n_kv * hd * sizeof(typename Fmt::E);
     const int64_t bytes = a.per_kv ? row_bytes : hd * sizeof(typename Fmt::E);     // read of each position
     for (int64_t r = 0; r < rows; r++, row += row_bytes)
-        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, LOCALITY);
+}
+constexpr int64_t KEYS_AHEAD = 2;      // blocks
+template <typename KF, typename VF>
+ALWAYS_INLINE void prefetch_keys_pass(const RowArgs& a, int64_t b, int64_t hd) {
+    prefetch_block<KF, 1>(a, a.k, b + KEYS_AHEAD, hd);
+    prefetch_block<VF, 1>(a, a.v, b, hd);
 }
 
 // In the vector kernel a float16 pool is read in place, each row widened as it is multiplied
@@ -465,14 +475,111 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void values_fast(const float*
         for (int c = 0; c < C; c++) _mm256_storeu_ps(acc[h] + 8 * c, sum[h][c]);
 }
 
+// The AVX-512 build's loops for pools read as stored (float32, float16) or widened into the
+// scratch: 16 values a step in 32 registers, where the 8-wide loops above spill the queries
+// and issue twice the instructions (a 16-row decode step of SmolLM2 spent most of its attention
+// time there). Same structure, wider steps: a row's bits are the same in any call on an AVX-512
+// host (they differ from the AVX2 build's, as any other summation order would).
+#define WIDE_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
+WIDE_TARGET inline __m512 get16(const float* p) { return _mm512_loadu_ps(p); }
+WIDE_TARGET inline __m512 get16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+WIDE_TARGET inline __m256 fold16(__m512 x) {       // lanes i + lanes 8 + i
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+// The readers of the wide loops, as AsStored, KeysI8 and ValuesI8 for the 8-wide ones (16 codes
+// times their scales: the same float32 products, so an int8 pool read in place gives the bits
+// of the float32 pool of its values here too).
+struct AsStored16 {
+    template <typename R>
+    WIDE_TARGET __m512 operator()(const R* p, int64_t) const { return get16(p); }
+    void next() {}
+};
+WIDE_TARGET inline __m512 get16_i8(const int8_t* p, __m512 s) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), s);
+}
+struct KeysI8x16 {
+    const float* ks;
+    WIDE_TARGET __m512 operator()(const int8_t* p, int64_t ch) const { return get16_i8(p, _mm512_loadu_ps(ks + ch)); }
+    void next() {}
+};
+struct ValuesI8x16 {               // the token's scales, one per `group` values (a multiple of 16)
+    const float* vs;
+    int64_t vs_stride;
+    int64_t gi[4];                 // the scale of the 4 chunks of 16 read from channel ch0 on
+    ValuesI8x16(const float* vs_, int64_t vs_stride_, int64_t ch0, int64_t group) : vs(vs_), vs_stride(vs_stride_) {
+        for (int c = 0; c < 4; c++) gi[c] = (ch0 + 16 * c) / group;
+    }
+    WIDE_TARGET __m512 operator()(const int8_t* p, int64_t ch) const { return get16_i8(p, _mm512_set1_ps(vs[gi[ch / 16]])); }
+    void next() { vs += vs_stride; }
+};
+
+// scores_fast's job (hd a multiple of 16): 8 keys x G heads of 16-lane sums, each folded to 8
+// lanes and the 8 keys' sums transposed into one vector.
+template <int G, int HD, typename R, typename Read = AsStored16>
+WIDE_TARGET __attribute__((noinline)) void scores_wide(const float* qs, const R* k, int64_t stride, int64_t hd_rt,
+                                                      int64_t n, float* const* sc, float* mx, Read read = {}) {
+    const int64_t hd = HD ? HD : hd_rt, nc = hd / 16;
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n; j0 += 8, k += 8 * stride) {
+        __m512 acc[G][8];
+        for (int j = 0; j < 8; j++) {
+            const __m512 kv = read(k + j * stride, 0);
+            for (int h = 0; h < G; h++) acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(qs + h * hd), kv);
+        }
+        for (int64_t c = 1; c < nc; c++)
+            for (int j = 0; j < 8; j++) {
+                const __m512 kv = read(k + j * stride + 16 * c, 16 * c);
+                for (int h = 0; h < G; h++) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + h * hd + 16 * c), kv, acc[h][j]);
+            }
+        for (int h = 0; h < G; h++) {
+            v8 s8[8];
+            for (int j = 0; j < 8; j++) s8[j] = (v8)fold16(acc[h][j]);
+            const v8 t = transpose_sum8(s8);
+            store8(sc[h] + j0, t);
+            mx[h] = std::max(mx[h], max8(t));
+        }
+    }
+    for (; j0 < n; j0++, k += stride)                          // the block's last keys, one at a time
+        for (int h = 0; h < G; h++) {
+            const float* qh = qs + h * hd;
+            __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(qh), read(k, 0));
+            for (int64_t c = 1; c < nc; c++) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), read(k + 16 * c, 16 * c), s0);
+            const float t = hsum8((v8)fold16(s0));
+            sc[h][j0] = t;
+            mx[h] = std::max(mx[h], t);
+        }
+}
+
+// values_fast's job, C chunks of 16 values.
+template <int G, int C, typename R, typename Read = AsStored16>
+WIDE_TARGET __attribute__((noinline)) void values_wide(const float* const* w, const R* v, int64_t stride, int64_t n,
+                                                      float* const* acc, Read read = {}) {
+    __m512 sum[G][C];
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) sum[h][c] = _mm512_loadu_ps(acc[h] + 16 * c);
+    for (int64_t j = 0; j < n; j++, v += stride, read.next()) {
+        __m512 wj[G];
+        for (int h = 0; h < G; h++) wj[h] = _mm512_set1_ps(w[h][j]);
+        for (int c = 0; c < C; c++) {
+            const __m512 x = read(v + 16 * c, 16 * c);
+            for (int h = 0; h < G; h++) sum[h][c] = _mm512_fmadd_ps(wj[h], x, sum[h][c]);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[h] + 16 * c, sum[h][c]);
+}
+
 // Whether the vector kernel reads this pool's keys and values in place (int8 in the AVX2 and
 // AVX-512 builds, its V groups a multiple of 8 values) rather than through the scratch.
 template <typename KF, typename VF, bool FAST>
 constexpr bool INT8_IN_PLACE = FAST && std::is_same_v<KF, ChannelScaledInt8> && std::is_same_v<VF, TokenScaled<Int8Code>>;
 
-template <int G, int HD, bool FAST, typename R>
+template <int G, int HD, bool FAST, bool WIDE, typename R>
 ALWAYS_INLINE void scores_block(const float* qs, const R* k, int64_t stride, int64_t hd, int64_t n, float* const* sc,
                                 float* mx) {
+    if constexpr (WIDE) { if (hd % 16 == 0) { scores_wide<G, HD>(qs, k, stride, hd, n, sc, mx); return; } }   // = `wide`
     if constexpr (FAST) scores_fast<G, HD>(qs, k, stride, hd, n, sc, mx);
     else scores_base<G, HD>(qs, k, stride, hd, n, sc, mx);
 }
@@ -499,7 +606,7 @@ ALWAYS_INLINE void head_groups(int64_t groups, int64_t per, F&& f) {
 // KV head (per_kv mode: every KV head of the row in turn), so each key and value row is read once
 // per group, and the sums of 3 heads x 4 chunks stay in AVX2's 16 registers. HD: the head size
 // at compile time (a multiple of 8), 0 for any multiple of 8 at run time.
-template <int HD, typename KF, typename VF, bool FAST>
+template <int HD, typename KF, typename VF, bool FAST, bool WIDE>
 ALWAYS_INLINE void attend_row(const RowArgs& a) {
     const int64_t hd = HD ? HD : a.hd, nv = hd / 8, n = a.L - a.first, ls = n + 8;
     float* acc_all = a.scores + a.heads * ls;                     // (heads, hd) running sums of e * v
@@ -512,20 +619,29 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         for (int64_t i = 0; i < nv; i++) store8(qs + hh * hd + 8 * i, load8(a.q + hh * hd + 8 * i) * splat8(a.scale));
     }
     // int8 in place: V's scale groups a multiple of 8 values (paged_kv: 32, or hd)
-    const bool in_place = INT8_IN_PLACE<KF, VF, FAST> && a.v.group % 8 == 0;
+    // (the wide loops read 16 values at a time: groups of 16; else the scratch, the same bits)
+    const bool wide = WIDE && hd % 16 == 0;
+    const bool in_place = INT8_IN_PLACE<KF, VF, FAST> && a.v.group % (wide ? 16 : 8) == 0;
     // scores[hh][p - first] = q_hh . k_p * scale, block by block through the table
+    for (int64_t b = a.first / a.block_size, i = 0; i < KEYS_AHEAD; i++) prefetch_block<KF>(a, a.k, b + i, hd);
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
         if constexpr (INT8_IN_PLACE<KF, VF, FAST>) {
             if (in_place) {
                 const int8_t* kc = static_cast<const int8_t*>(a.k.data) + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
                 const float* ks = a.k.scale + (a.table[b] * a.n_kv + a.g) * hd;     // the block's, every row
-                prefetch_block<KF>(a, a.k, b + 1, hd);
+                prefetch_keys_pass<KF, VF>(a, b, hd);
                 head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
                     constexpr int G = decltype(heads)::value;
                     float* sc[G];
                     for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
                     const int64_t at = a.per_kv ? g * hd : 0;
+                    if constexpr (WIDE) {
+                        if (wide) {
+                            scores_wide<G, HD>(qs + h0 * hd, kc + at, a.n_kv * hd, hd, end - p, sc, mx + h0, KeysI8x16{ks + at});
+                            return;
+                        }
+                    }
                     scores_fast<G, HD>(qs + h0 * hd, kc + at, a.n_kv * hd, hd, end - p, sc, mx + h0, KeysI8{ks + at});
                 });
                 p = end;
@@ -534,12 +650,12 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         }
         int64_t stride;
         const auto* kb = Src<KF>::rows(a, a.k, b, p % a.block_size, end - p, buf, stride);
-        prefetch_block<KF>(a, a.k, b + 1, hd);
+        prefetch_keys_pass<KF, VF>(a, b, hd);
         head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
             constexpr int G = decltype(heads)::value;
             float* sc[G];
             for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
-            scores_block<G, HD, FAST>(qs + h0 * hd, kb + (a.per_kv ? g * hd : 0), stride, hd, end - p, sc, mx + h0);
+            scores_block<G, HD, FAST, WIDE>(qs + h0 * hd, kb + (a.per_kv ? g * hd : 0), stride, hd, end - p, sc, mx + h0);
         });
         p = end;
     }
@@ -584,6 +700,17 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                     for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
                     const int8_t* v = vc + (a.per_kv ? g * hd : 0);
                     const float* s = vs + (a.per_kv ? g * groups_per_head : 0);
+                    if constexpr (WIDE) {
+                        if (wide) {
+                            for (int64_t c = 0, nc = hd / 16; c < nc;) {
+                                for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 16 * c;
+                                const ValuesI8x16 read(s, a.n_kv * groups_per_head, 16 * c, a.v.group);
+                                if (c + 4 <= nc) { values_wide<G, 4>(w, v + 16 * c, a.n_kv * hd, end - p, acc, read); c += 4; }
+                                else { values_wide<G, 1>(w, v + 16 * c, a.n_kv * hd, end - p, acc, read); c += 1; }
+                            }
+                            return;
+                        }
+                    }
                     for (int64_t c = 0; c < nv;) {
                         for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
                         const ValuesI8 read(s, a.n_kv * groups_per_head, 8 * c, a.v.group);
@@ -604,6 +731,16 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
             float* acc[G];
             for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
             const auto* v = vb + (a.per_kv ? g * hd : 0);
+            if constexpr (WIDE) {
+                if (wide) {                                         // 4 chunks of 16 at a time, then one
+                    for (int64_t c = 0, nc = hd / 16; c < nc;) {
+                        for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 16 * c;
+                        if (c + 4 <= nc) { values_wide<G, 4>(w, v + 16 * c, stride, end - p, acc); c += 4; }
+                        else { values_wide<G, 1>(w, v + 16 * c, stride, end - p, acc); c += 1; }
+                    }
+                    return;
+                }
+            }
             for (int64_t c = 0; c < nv;) {                          // 4 chunks of 8 at a time, then one
                 for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
                 if (c + 4 <= nv) { values_block<G, 4, FAST>(w, v + 8 * c, stride, end - p, acc); c += 4; }
@@ -650,33 +787,33 @@ inline void attend_scalar(const RowArgs& a) {
 // loops (attend_scalar) read one KV head per task only, so the whole-row tasks need this too.
 inline bool vector_kernel_takes(int64_t hd, int64_t heads) { return hd % 8 == 0 && hd <= 256 && heads <= 64; }
 
-template <typename KF, typename VF, bool FAST>
+template <typename KF, typename VF, bool FAST, bool WIDE>
 ALWAYS_INLINE void attend_fmt(const RowArgs& a) {
     if (!vector_kernel_takes(a.hd, a.heads)) { attend_scalar<KF, VF>(a); return; }
     switch (a.hd) {
-        case 64: attend_row<64, KF, VF, FAST>(a); return;
-        case 128: attend_row<128, KF, VF, FAST>(a); return;
-        case 256: attend_row<256, KF, VF, FAST>(a); return;
-        default: attend_row<0, KF, VF, FAST>(a); return;
+        case 64: attend_row<64, KF, VF, FAST, WIDE>(a); return;
+        case 128: attend_row<128, KF, VF, FAST, WIDE>(a); return;
+        case 256: attend_row<256, KF, VF, FAST, WIDE>(a); return;
+        default: attend_row<0, KF, VF, FAST, WIDE>(a); return;
     }
 }
 
 // int8: K scaled per block per channel, V per token; fp8: both per token (paged_kv.py)
 enum class PoolType { F32, F16, BF16, INT8, FP8 };
 
-template <bool FAST>
+template <bool FAST, bool WIDE = false>
 ALWAYS_INLINE void attend_any(const RowArgs& a, PoolType type) {
     switch (type) {
-        case PoolType::F32: attend_fmt<F32, F32, FAST>(a); return;
-        case PoolType::F16: attend_fmt<F16, F16, FAST>(a); return;
-        case PoolType::BF16: attend_fmt<BF16, BF16, FAST>(a); return;
-        case PoolType::INT8: attend_fmt<ChannelScaledInt8, TokenScaled<Int8Code>, FAST>(a); return;
-        case PoolType::FP8: attend_fmt<TokenScaled<Fp8Code>, TokenScaled<Fp8Code>, FAST>(a); return;
+        case PoolType::F32: attend_fmt<F32, F32, FAST, WIDE>(a); return;
+        case PoolType::F16: attend_fmt<F16, F16, FAST, WIDE>(a); return;
+        case PoolType::BF16: attend_fmt<BF16, BF16, FAST, WIDE>(a); return;
+        case PoolType::INT8: attend_fmt<ChannelScaledInt8, TokenScaled<Int8Code>, FAST, WIDE>(a); return;
+        case PoolType::FP8: attend_fmt<TokenScaled<Fp8Code>, TokenScaled<Fp8Code>, FAST, WIDE>(a); return;
     }
 }
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl"))) void attend_avx512(const RowArgs& a, PoolType t) {
-    attend_any<true>(a, t);
+    attend_any<true, true>(a, t);
 }
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const RowArgs& a, PoolType t) { attend_any<true>(a, t); }
 void attend_base(const RowArgs& a, PoolType t) { attend_any<false>(a, t); }
