@@ -479,7 +479,10 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void values_fast(const float*
 // scratch: 16 values a step in 32 registers, where the 8-wide loops above spill the queries
 // and issue twice the instructions (a 16-row decode step of SmolLM2 spent most of its attention
 // time there). Same structure, wider steps: a row's bits are the same in any call on an AVX-512
-// host (they differ from the AVX2 build's, as any other summation order would).
+// host (they differ from the AVX2 build's, as any other summation order would). They are not
+// the 8-wide loops templated on a width: a template cannot carry the target attribute (the
+// 8-wide code must stay free of AVX-512 encodings for AVX2 hosts), and the keys' blocking
+// differs (8 keys x 3 heads of sums fit 32 registers, 4 keys x 3 heads fit 16).
 #define WIDE_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
 WIDE_TARGET inline __m512 get16(const float* p) { return _mm512_loadu_ps(p); }
 WIDE_TARGET inline __m512 get16(const uint16_t* p) {
