@@ -39,9 +39,8 @@ def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantize
     """The Transformer of `file` placed by `device_map`, or by layerplan for `n_gpu_layers`
     ('auto', None or a number; all-CPU on a machine without a GPU), with the plan's KV budget
     per device for the engine's pool. kv_type: the engine's (None: its default, 16 bits a value
-for every compute dtype, as f16 plans).
-    prompt_math: how quantized weights multiply prompt rows (EngineConfig.prompt_math,
-    model/gguf_weight.py)."""
+    for every compute dtype, as f16 plans). prompt_math: how quantized weights multiply prompt
+    rows (EngineConfig.prompt_math, model/gguf_weight.py)."""
     if device_map is None:
         device_map = plan_device_map(file.profile, n_gpu_layers, n_ctx=n_ctx, n_parallel=n_parallel,
                                      kv_type=kv_type or "f16",   # the engine's default's bytes
