@@ -605,6 +605,19 @@ ALWAYS_INLINE void head_groups(int64_t groups, int64_t per, F&& f) {
         }
 }
 
+// The values' pass over one head group's hd sums, W values a chunk (8, or 16 in the wide
+// loops): f(C, c, acc) for 4 chunks from chunk c at a time, then one, acc pointing at chunk c
+// of each head's sums (C a std::integral_constant: the loops' register count).
+template <int G, int W, typename F>
+ALWAYS_INLINE void value_chunks(int64_t hd, float* acc_all, int64_t h0, F&& f) {
+    float* acc[G];
+    for (int64_t c = 0, nc = hd / W; c < nc;) {
+        for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + W * c;
+        if (c + 4 <= nc) { f(std::integral_constant<int, 4>{}, c, acc); c += 4; }
+        else { f(std::integral_constant<int, 1>{}, c, acc); c += 1; }
+    }
+}
+
 // The query heads of one row over positions first..L-1, in groups of up to 3 heads that share a
 // KV head (per_kv mode: every KV head of the row in turn), so each key and value row is read once
 // per group, and the sums of 3 heads x 4 chunks stay in AVX2's 16 registers. HD: the head size
@@ -699,27 +712,21 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                 head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
                     constexpr int G = decltype(heads)::value;
                     const float* w[G];
-                    float* acc[G];
                     for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
                     const int8_t* v = vc + (a.per_kv ? g * hd : 0);
                     const float* s = vs + (a.per_kv ? g * groups_per_head : 0);
+                    const int64_t stride = a.n_kv * hd, s_stride = a.n_kv * groups_per_head;
                     if constexpr (WIDE) {
                         if (wide) {
-                            for (int64_t c = 0, nc = hd / 16; c < nc;) {
-                                for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 16 * c;
-                                const ValuesI8x16 read(s, a.n_kv * groups_per_head, 16 * c, a.v.group);
-                                if (c + 4 <= nc) { values_wide<G, 4>(w, v + 16 * c, a.n_kv * hd, end - p, acc, read); c += 4; }
-                                else { values_wide<G, 1>(w, v + 16 * c, a.n_kv * hd, end - p, acc, read); c += 1; }
-                            }
+                            value_chunks<G, 16>(hd, acc_all, h0, [&](auto C, int64_t c, float* const* acc) {
+                                values_wide<G, decltype(C)::value>(w, v + 16 * c, stride, end - p, acc, ValuesI8x16(s, s_stride, 16 * c, a.v.group));
+                            });
                             return;
                         }
                     }
-                    for (int64_t c = 0; c < nv;) {
-                        for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
-                        const ValuesI8 read(s, a.n_kv * groups_per_head, 8 * c, a.v.group);
-                        if (c + 4 <= nv) { values_fast<G, 4>(w, v + 8 * c, a.n_kv * hd, end - p, acc, read); c += 4; }
-                        else { values_fast<G, 1>(w, v + 8 * c, a.n_kv * hd, end - p, acc, read); c += 1; }
-                    }
+                    value_chunks<G, 8>(hd, acc_all, h0, [&](auto C, int64_t c, float* const* acc) {
+                        values_fast<G, decltype(C)::value>(w, v + 8 * c, stride, end - p, acc, ValuesI8(s, s_stride, 8 * c, a.v.group));
+                    });
                 });
                 p = end;
                 continue;
@@ -731,24 +738,19 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
             constexpr int G = decltype(heads)::value;
             const float* w[G];
-            float* acc[G];
             for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
             const auto* v = vb + (a.per_kv ? g * hd : 0);
             if constexpr (WIDE) {
-                if (wide) {                                         // 4 chunks of 16 at a time, then one
-                    for (int64_t c = 0, nc = hd / 16; c < nc;) {
-                        for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 16 * c;
-                        if (c + 4 <= nc) { values_wide<G, 4>(w, v + 16 * c, stride, end - p, acc); c += 4; }
-                        else { values_wide<G, 1>(w, v + 16 * c, stride, end - p, acc); c += 1; }
-                    }
+                if (wide) {
+                    value_chunks<G, 16>(hd, acc_all, h0, [&](auto C, int64_t c, float* const* acc) {
+                        values_wide<G, decltype(C)::value>(w, v + 16 * c, stride, end - p, acc);
+                    });
                     return;
                 }
             }
-            for (int64_t c = 0; c < nv;) {                          // 4 chunks of 8 at a time, then one
-                for (int h = 0; h < G; h++) acc[h] = acc_all + (h0 + h) * hd + 8 * c;
-                if (c + 4 <= nv) { values_block<G, 4, FAST>(w, v + 8 * c, stride, end - p, acc); c += 4; }
-                else { values_block<G, 1, FAST>(w, v + 8 * c, stride, end - p, acc); c += 1; }
-            }
+            value_chunks<G, 8>(hd, acc_all, h0, [&](auto C, int64_t c, float* const* acc) {
+                values_block<G, decltype(C)::value, FAST>(w, v + 8 * c, stride, end - p, acc);
+            });
         });
         p = end;
     }
