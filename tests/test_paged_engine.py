@@ -213,7 +213,9 @@ def test_quantized_kv_through_the_paged_kernel_equals_the_gather_path(tiny_gguf,
         pytest.skip("this torch has no float8_e4m3fn")
     if not kernels.available():
         pytest.skip("localrun's kernels did not compile here")
-    model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1).model   # the kernels' model
+    # the kernels' model; float32 prompt math, so prompt chunks attend in float32 on either path
+    # (with "int8" the gather path's bfloat16 prompt attention would differ by its rounding, not the paging)
+    model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1, prompt_math="float32").model
     kernel_engine = make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=16, kv_type=kv_type)
     assert kernel_engine.kv_cache.supports_paged_attention and kernel_engine.kv_cache.quantized
     calls = {"paged_attention": [], "decode_block": []}
@@ -246,7 +248,8 @@ def test_short_prompt_chunks_beside_decodes_go_through_the_paged_kernel_with_the
     from localrun.engine import model_runner
     if not kernels.available():
         pytest.skip("localrun's kernels did not compile here")
-    model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1).model
+    # float32 prompt math: the gather path's prompt attention is then float32, as the paged kernel's
+    model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1, prompt_math="float32").model
     seen = []
     real = model_runner.ModelRunner.paged_rows
 

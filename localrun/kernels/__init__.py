@@ -8,6 +8,8 @@
 - `qmatmul_f32(x, weights, qtypes)`: the same product with float32 activations (prompt rows).
 - `rms_norm`, `add_rms_norm`, `silu_mul` (csrc/small_ops.cpp): fused small ops of a block.
 - `topk(x, n)` (csrc/topk.cpp): the sampler's candidates, one pass over a row of logits.
+- `attention_bf16(q, k, v, offset, scale)` (csrc/prompt_attention.cpp): prompt rows' attention
+  with bfloat16 products and float32 sums (AVX-512 BF16 only: `has_attention_bf16()`).
 
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
 The library is compiled by set-up (`python -m localrun.kernels.build`); if it is missing it is
@@ -87,3 +89,19 @@ def topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n largest of a (V,) float32 row in descending order, ties lowest index first, and their
     ids, in one pass on the calling thread (a row with a NaN goes to torch.topk)."""
     return torch.ops.localrun.topk(x, n)
+
+
+@lru_cache(maxsize=None)
+def has_attention_bf16() -> bool:
+    """Whether attention_bf16 runs here: the kernels are loaded, the CPU has AVX-512 BF16, and
+    LOCALRUN_ISA does not force a narrower instruction set."""
+    return available() and bool(torch.ops.localrun.has_attention_bf16())
+
+
+def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries q (T, Hq, hd) over keys and values (Hkv, L, hd), float32, query i seeing keys
+    0 .. offset + i (offset < 0: all of them), scores scaled by `scale`: the output (T, Hq, hd)
+    and the natural log-sum-exp of each row's scores (T, Hq), both float32. Queries, keys, values
+    and softmax weights are rounded to bfloat16 before they multiply; sums stay float32."""
+    return torch.ops.localrun.attention_bf16(q, k, v, offset, scale)

@@ -27,6 +27,7 @@ SOURCES = {   # file -> extra flags
     "paged_attention.cpp": [],
     "decode_block.cpp": [],
     "topk.cpp": [],
+    "prompt_attention.cpp": [],
     "qmatmul_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else None,
     "qmatmul_avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
     if X86 else None,

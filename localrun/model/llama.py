@@ -131,7 +131,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, wqkv, wo, layer: int, bias: torch.Tensor | None = None,
-                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, fused: bool = False):
+                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, fused: bool = False,
+                 bf16_prompt: bool = False):
         super().__init__()
         self.rope = apply_rope_fused if fused else apply_rope      # the kernels' RoPE, or torch's
         self.wqkv, self.wo, self.layer = wqkv, wo, layer   # (q+2kv dims, D), (D, q dims)
@@ -141,6 +142,9 @@ class Attention(nn.Module):
         self.neox = config.arch.rope_type == "neox"
         self.window = config.sliding_window if config.is_local(layer) else None   # None: whole context
         self.scale = config.attention_scale                # None: 1/sqrt(head_dim)
+        # prompt rows' attention through kernels.attention_bf16 (bfloat16 products, float32 sums)
+        # instead of torch's float32 flash attention: with prompt_math "int8" on AVX-512 BF16 (Block)
+        self.bf16_prompt = bf16_prompt and self.head_dim % 64 == 0 and self.head_dim <= 256
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment], decode_rows: int = 0,
                 paged: PagedRows | None = None) -> torch.Tensor:
@@ -201,12 +205,18 @@ class Attention(nn.Module):
         G, C = self.n_head // self.n_head_kv, segments[0].shared.num_tokens
         rows = torch.cat([q[s.start:s.start + s.length] for s in segments])          # (R, H, hd)
         k_pre, v_pre = segments[0].cache.read(self.layer, C)                          # (n_kv, C, hd)
-        o_pre, lse_pre = attend_unmasked(rows, k_pre, v_pre)
+        bf16 = self._bf16(q)
+        o_pre, lse_pre = self._bf16_attend(rows, k_pre, v_pre, -1) if bf16 else attend_unmasked(rows, k_pre, v_pre)
         o_own, lse_own = [], []
         for s in segments:
             rows_s = slice(s.start, s.start + s.length)
             k_s, v_s = s.cache.update(self.layer, s.cache_start, k[rows_s], v[rows_s], first=C)  # (n_kv, L - C, hd)
             t, n = s.length, k_s.shape[1]
+            if bf16:                  # query i (position cache_start + i) sees keys up to n - t + i
+                o, lse = self._bf16_attend(q[rows_s], k_s, v_s, n - t)
+                o_own.append(o)
+                lse_own.append(lse)
+                continue
             # query i (position cache_start + i) sees keys up to n - t + i: -inf above that
             mask = None if n == t else torch.full((t, n), float("-inf"), dtype=q.dtype, device=q.device).triu(n - t + 1)
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -224,6 +234,8 @@ class Attention(nn.Module):
         log-sum-exps, instead of one SDPA with an explicit (t, L) mask, which takes the slower
         masked path. The same softmax (to float32 rounding)."""
         G, C = self.n_head // self.n_head_kv, k_all.shape[1] - q.shape[0]
+        if self._bf16(q):             # one call: query i sees keys 0 .. C + i
+            return self._bf16_attend(q, k_all, v_all, C)[0]
         o_pre, lse_pre = attend_unmasked(q, k_all[:, :C], v_all[:, :C])
         k_own, v_own = k_all[:, C:], v_all[:, C:]
         if G > 1:
@@ -249,6 +261,8 @@ class Attention(nn.Module):
         query i over keys 0..L-t+i."""
         t, L = q.shape[0], k_all.shape[1]
         mask, causal = None, False
+        if t > 1 and self._bf16(q):
+            return self._bf16_attend(q, k_all, v_all, L - t)[0]
         if t > 1 and L == t:
             causal = True
         elif t > 1 and q.device.type == "cpu":
@@ -256,6 +270,15 @@ class Attention(nn.Module):
         elif t > 1:   # new tokens are the last t of L: query i sees keys 0..L-t+i
             mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)
         return sdpa(q, k_all, v_all, mask, causal)
+
+    def _bf16(self, q: torch.Tensor) -> bool:
+        return self.bf16_prompt and q.dtype == torch.float32 and q.device.type == "cpu"
+
+    def _bf16_attend(self, q, k, v, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries (t, H, hd) over keys and values (n_kv, L, hd), query i over keys 0 .. offset + i
+        (offset < 0: all): (output (t, H, hd), log-sum-exp (t, H)), float32 sums over bfloat16
+        products (kernels.attention_bf16). The scale is sdpa's: a custom one is folded into q."""
+        return kernels.attention_bf16(q, k.float(), v.float(), offset, self.head_dim ** -0.5)
 
     def _attend_window(self, q, k_all, v_all, rowwise: bool, offset: int = 0) -> torch.Tensor:
         """Query i (position P-t+i, P = offset + L) over keys p with P-t+i - window < p <= P-t+i
@@ -387,8 +410,11 @@ class Block(nn.Module):
         bias = build.bias([p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"], device) \
             if arch.attention_bias else None
         q_norm, k_norm = (norm("attn_q_norm"), norm("attn_k_norm")) if arch.qk_norm else (None, None)
+        # bfloat16 prompt attention where the prompt rows' products are 8-bit already (prompt_math
+        # "int8" on a quantized weight): its error is ~100x below theirs; float weights keep float32
+        bf16_prompt = self.fused and getattr(wqkv, "prompt_int8", False) and kernels.has_attention_bf16()
         self.attention = Attention(config, wqkv, build.linear([p + "attn_output.weight"], device), layer,
-                                   bias, q_norm, k_norm, self.fused)
+                                   bias, q_norm, k_norm, self.fused, bf16_prompt)
         self.ffn_norm = norm("ffn_norm")
         self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device), self.fused,
                                         arch.activation)

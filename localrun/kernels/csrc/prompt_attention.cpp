@@ -1,0 +1,273 @@
+// Attention of a step's prompt rows in bfloat16 with float32 sums (AVX-512 BF16's vdpbf16ps):
+//   attention_bf16(q, k, v, offset, scale) -> (out, lse)
+//     q (T, Hq, D) float32; k, v (Hkv, L, D) float32; query i sees keys 0 .. offset + i
+//     (offset < 0: every key); out (T, Hq, D) float32 and lse (T, Hq) float32, the natural
+//     log-sum-exp of each row's scaled scores, as torch's flash attention returns them (so the
+//     caller merges partial attentions the same way). Query head h reads KV head h / (Hq / Hkv).
+//   has_attention_bf16() -> bool   whether this CPU has AVX-512 BF16 (and LOCALRUN_ISA allows it)
+//
+// Why: a prompt chunk over a cached prefix is two matrix products per head (Q.K^T and P.V) at
+// the float32 GEMM's ceiling (~130 GFLOP/s on 2 Zen 4 cores, torch's flash attention the same),
+// and vdpbf16ps multiplies twice the pairs per instruction. What it costs: queries, keys, values
+// and the softmax weights are rounded to bfloat16 (8 significant bits) before they multiply;
+// every sum, the scores, the softmax and the output stay float32. llama.cpp's CPU attention
+// rounds queries and weights to float16 (11 bits) the same way. The engine uses it only with
+// prompt_math "int8" (llama.cpp's arithmetic); "float32" keeps torch's exact path.
+//
+// Layout: each KV head's keys are packed as bfloat16 pairs (dims 2p, 2p+1) for 16 keys per
+// vector, its values as pairs of keys (2t, 2t+1) for 16 dims per vector, once per call. A task
+// is one KV head and a few query positions (all its grouped query heads: ROWS rows in all); it
+// walks the keys in blocks of KEYS with an online softmax (base 2: scores are scaled by
+// log2(e) / sqrt(D) once, out of the bfloat16 rounding).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace localrun {
+namespace {
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+constexpr int64_t ROWS = 24;    // query rows (positions x grouped heads) a task aims at
+constexpr int64_t KEYS = 64;    // keys per block of the online softmax (4 vectors of 16)
+
+bool bf16_allowed() {
+    static const bool allowed = [] {
+        const char* env = std::getenv("LOCALRUN_ISA");
+        const std::string forced = env ? env : "";
+        __builtin_cpu_init();
+        return (forced.empty() || forced == "avx512") && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+    }();
+    return allowed;
+}
+
+// 16 float32 -> 16 bfloat16 pairs' halves: round to nearest even (as vcvtne2ps2bf16)
+BF16_TARGET inline __m512i pairs_of(__m512 lo16, __m512 hi16) {
+    return (__m512i)_mm512_cvtne2ps_pbh(hi16, lo16);   // elements 0-15 from lo16, 16-31 from hi16
+}
+
+// 2^x for x <= 0 (-inf -> 0): 2^n * p(f), n = round(x), |f| <= 1/2, p the degree-6 Taylor
+// polynomial of e^(f ln 2) (relative error under 2e-7, below the bfloat16 rounding that follows)
+BF16_TARGET inline __m512 exp2_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-160.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Keys of one head (L, D) -> [L16 / 16][D / 2][16] pairs; values -> [L16 / 2][D / 16][16] pairs.
+// Keys past L are zero (their scores are masked), and so are values (their weights are zero).
+BF16_TARGET void pack_block(const float* k, const float* v, int64_t L, int64_t D, int64_t key0,
+                            uint32_t* kp, uint32_t* vp) {
+    const int64_t P = D / 2, C = D / 16;
+    alignas(64) uint32_t rows[16][128];                 // 16 keys' pairs before the transposition
+    for (int64_t j = 0; j < 16; j++) {
+        const int64_t key = key0 + j;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512i pr = key < L ? pairs_of(_mm512_loadu_ps(k + key * D + d), _mm512_loadu_ps(k + key * D + d + 16))
+                                       : _mm512_setzero_si512();
+            _mm512_store_si512((__m512i*)&rows[j][d / 2], pr);
+        }
+    }
+    uint32_t* kb = kp + key0 / 16 * P * 16;
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t j = 0; j < 16; j++) kb[p * 16 + j] = rows[j][p];
+    for (int64_t t = 0; t < 8; t++) {                   // key pairs (key0 + 2t, key0 + 2t + 1)
+        const int64_t a = key0 + 2 * t, b = a + 1;
+        uint32_t* vb = vp + (key0 / 2 + t) * C * 16;
+        for (int64_t c = 0; c < C; c++) {
+            const __m512 va = a < L ? _mm512_loadu_ps(v + a * D + c * 16) : _mm512_setzero_ps();
+            const __m512 vb16 = b < L ? _mm512_loadu_ps(v + b * D + c * 16) : _mm512_setzero_ps();
+            // element 2i = value of key a at dim i, element 2i + 1 = key b's: interleave the halves
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(va));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vb16));
+            _mm512_storeu_si512((__m512i*)(vb + c * 16), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+// Scores of 4 query rows over NV x 16 keys: s[i][key] = (q_i . k_key) * sc
+template <int NV>
+BF16_TARGET inline void scores4(const uint32_t* q, int64_t P, const uint32_t* kp, float* s, float sc) {
+    __m512 acc[4][NV];
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; p++) {
+        __m512bh kv[NV];
+        for (int c = 0; c < NV; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kp + (c * P + p) * 16);
+        for (int i = 0; i < 4; i++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[i * P + p]);
+            for (int c = 0; c < NV; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], qb, kv[c]);
+        }
+    }
+    const __m512 scale = _mm512_set1_ps(sc);
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(s + i * KEYS + c * 16, _mm512_mul_ps(acc[i][c], scale));
+}
+
+// o[i][64 dims from d0] += sum over the block's key pairs of w[i][t] . v[t] for 4 rows
+BF16_TARGET inline void values4(const uint32_t* w, const uint32_t* vp, int64_t pairs, int64_t C, int64_t c0,
+                                float* o, int64_t D) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_loadu_ps(o + i * D + (c0 + c) * 16);
+    for (int64_t t = 0; t < pairs; t++) {
+        __m512bh vv[4];
+        for (int c = 0; c < 4; c++) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (t * C + c0 + c) * 16);
+        for (int i = 0; i < 4; i++) {
+            const __m512bh wb = (__m512bh)_mm512_set1_epi32((int)w[i * (KEYS / 2) + t]);
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], wb, vv[c]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + i * D + (c0 + c) * 16, acc[i][c]);
+}
+
+struct Call {
+    const float* q; float* out; float* lse;
+    const uint32_t* kp; const uint32_t* vp;
+    int64_t T, Hq, Hkv, G, L, D, offset;
+    float sc;                                    // scale * log2(e)
+};
+
+// One task: KV head g, query positions i0 .. i1 - 1 (rows r = (i - i0) * G + j for query head g * G + j)
+BF16_TARGET void attend_task(const Call& a, int64_t g, int64_t i0, int64_t i1) {
+    const int64_t D = a.D, P = D / 2, C = D / 16, G = a.G;
+    const int64_t R = (i1 - i0) * G, R4 = (R + 3) / 4 * 4;
+    std::vector<uint32_t> qb(R4 * P, 0);
+    std::vector<float> o(R4 * D, 0.f), s(4 * KEYS);
+    std::vector<uint32_t> w(R4 * (KEYS / 2));
+    std::vector<float> m(R4, -std::numeric_limits<float>::infinity()), l(R4, 0.f), alpha(R4);
+    std::vector<int64_t> last(R4);                          // the last key each row sees
+    for (int64_t r = 0; r < R4; r++) {
+        const int64_t i = i0 + std::min(r, R - 1) / G;      // padding rows repeat the last real row
+        last[r] = a.offset < 0 ? a.L - 1 : std::min(a.L - 1, a.offset + i);
+        if (r >= R) continue;
+        const float* src = a.q + (i * a.Hq + g * G + r % G) * D;
+        for (int64_t d = 0; d < D; d += 32)
+            _mm512_storeu_si512((__m512i*)(qb.data() + r * P + d / 2),
+                                pairs_of(_mm512_loadu_ps(src + d), _mm512_loadu_ps(src + d + 16)));
+    }
+    const int64_t end = last[R4 - 1] + 1;                   // keys any row of the task sees
+    const uint32_t* kp = a.kp + g * ((a.L + 15) / 16) * P * 16;
+    const uint32_t* vp = a.vp + g * ((a.L + 15) / 16) * 8 * C * 16;
+    for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
+        const int64_t nv = std::min<int64_t>(4, (end - k0 + 15) / 16), nk = nv * 16;
+        const uint32_t* kblock = kp + k0 / 16 * P * 16;
+        for (int64_t r = 0; r < R4; r += 4) {
+            switch (nv) {
+                case 4: scores4<4>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
+                case 3: scores4<3>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
+                case 2: scores4<2>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
+                default: scores4<1>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
+            }
+            for (int64_t i = 0; i < 4; i++) {               // online softmax of the block, row r + i
+                float* si = s.data() + i * KEYS;
+                const int64_t seen = std::min(nk, last[r + i] - k0 + 1);   // keys k0 .. k0 + seen - 1
+                for (int64_t k = std::max<int64_t>(seen, 0); k < nk; k++) si[k] = -std::numeric_limits<float>::infinity();
+                __m512 mx = _mm512_loadu_ps(si);
+                for (int64_t c = 1; c < nv; c++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + c * 16));
+                const float m_new = std::max(m[r + i], _mm512_reduce_max_ps(mx));
+                uint32_t* wi = w.data() + (r + i) * (KEYS / 2);
+                if (m_new == -std::numeric_limits<float>::infinity()) {   // nothing seen yet
+                    std::memset(wi, 0, KEYS / 2 * sizeof(uint32_t));
+                    alpha[r + i] = 1.f;
+                    continue;
+                }
+                const __m512 mv = _mm512_set1_ps(m_new);
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t c = 0; c < nv; c += 2) {
+                    const __m512 p0 = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(si + c * 16), mv));
+                    const __m512 p1 = c + 1 < nv ? exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(si + c * 16 + 16), mv))
+                                                 : _mm512_setzero_ps();
+                    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                    _mm512_storeu_si512((__m512i*)(wi + c * 8), pairs_of(p0, p1));
+                }
+                alpha[r + i] = std::exp2(m[r + i] - m_new);
+                l[r + i] = l[r + i] * alpha[r + i] + _mm512_reduce_add_ps(sum);
+                m[r + i] = m_new;
+            }
+            for (int64_t i = 0; i < 4; i++) {               // rescale the rows' sums to the new maxima
+                if (alpha[r + i] == 1.f) continue;
+                const __m512 al = _mm512_set1_ps(alpha[r + i]);
+                float* oi = o.data() + (r + i) * D;
+                for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), al));
+            }
+            for (int64_t c0 = 0; c0 < C; c0 += 4)           // D is a multiple of 64
+                values4(w.data() + r * (KEYS / 2), vp + k0 / 2 * C * 16, nk / 2, C, c0, o.data() + r * D, D);
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = i0 + r / G, h = g * G + r % G;
+        const float inv = 1.f / l[r];
+        float* dst = a.out + (i * a.Hq + h) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        a.lse[i * a.Hq + h] = (m[r] + std::log2(l[r])) * 0.6931471805599453f;
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  int64_t offset, double scale) {
+    TORCH_CHECK(bf16_allowed(), "localrun::attention_bf16: this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::attention_bf16: q (T, Hq, D), k and v (Hkv, L, D)");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                "localrun::attention_bf16: float32 tensors");
+    const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
+    TORCH_CHECK(k.size(2) == D && D % 64 == 0 && D <= 256, "localrun::attention_bf16: head size a multiple of 64, at most 256");
+    TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && L > 0, "localrun::attention_bf16: query heads a multiple of KV heads, keys > 0");
+    const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    const int64_t L16 = (L + 15) / 16;
+    at::Tensor kp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt), vp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt);
+    at::Tensor out = at::empty({T, Hq, D}, q.options()), lse = at::empty({T, Hq}, q.options());
+    auto* kpp = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
+    auto* vpp = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
+    const float* kd = kc.data_ptr<float>();
+    const float* vd = vc.data_ptr<float>();
+    at::parallel_for(0, Hkv * L16, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++) {
+            const int64_t g = b / L16;
+            pack_block(kd + g * L * D, vd + g * L * D, L, D, b % L16 * 16, kpp + g * L16 * 16 * D / 2,
+                       vpp + g * L16 * 16 * D / 2);
+        }
+    });
+    const int64_t G = Hq / Hkv, positions = std::max<int64_t>(1, ROWS / G);
+    const int64_t chunks = (T + positions - 1) / positions;
+    Call call{qc.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(), kpp, vpp,
+              T, Hq, Hkv, G, L, D, offset, static_cast<float>(scale * 1.4426950408889634)};
+    at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t g = t % Hkv, i0 = t / Hkv * positions;
+            attend_task(call, g, i0, std::min(T, i0 + positions));
+        }
+    });
+    return {out, lse};
+}
+
+}  // namespace
+}  // namespace localrun
+
+TORCH_LIBRARY_FRAGMENT(localrun, m) {
+    m.def("attention_bf16(Tensor q, Tensor k, Tensor v, int offset, float scale) -> (Tensor, Tensor)");
+    m.def("has_attention_bf16() -> bool", [] { return localrun::bf16_allowed(); });
+}
+
+TORCH_LIBRARY_IMPL(localrun, CPU, m) {
+    m.impl("attention_bf16", &localrun::attention_bf16);
+}

@@ -1,0 +1,99 @@
+"""The bfloat16 prompt attention kernel (csrc/prompt_attention.cpp) against a float64 reference.
+
+The kernel rounds queries, keys, values and the softmax weights to bfloat16 and keeps every sum
+in float32. Against float64 attention over the same rounded queries, keys and values, the
+scores (so the log-sum-exp) agree to float32 rounding, which catches a key too many or too few
+under the mask; the output differs only by the weights' rounding: each weight within
+bfloat16's unit roundoff u = 2^-8 of its value, so at most 2u max|v| (with the float32 sums'
+error far below)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from fidelity import fidelity
+
+from localrun import kernels
+
+pytestmark = [pytest.mark.numerics,
+              pytest.mark.skipif(not kernels.has_attention_bf16(),
+                                 reason="no AVX-512 BF16 here (or LOCALRUN_ISA forces a narrower set)")]
+
+U = 2.0 ** -8          # bfloat16's unit roundoff
+
+
+def reference(q, k, v, offset: int, scale: float):
+    """float64 attention of bfloat16-rounded q, k, v: query i sees keys 0 .. offset + i."""
+    T, Hq, _ = q.shape
+    Hkv, L, _ = k.shape
+    q, k, v = (x.bfloat16().double() for x in (q, k, v))
+    k, v = k.repeat_interleave(Hq // Hkv, 0), v.repeat_interleave(Hq // Hkv, 0)
+    s = torch.einsum("thd,hld->thl", q, k) * scale
+    if offset >= 0:
+        s = s.masked_fill(torch.arange(L)[None, None, :] > torch.arange(T)[:, None, None] + offset, float("-inf"))
+    return torch.einsum("thl,hld->thd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+CASES = [   # T, query heads, KV heads, head size, keys, offset (-1: no mask)
+    (5, 9, 3, 64, 37, -1),          # a few rows over a cached prefix (cascade)
+    (40, 9, 3, 64, 1064, 1024),     # a chunk after 1024 cached keys
+    (17, 14, 2, 64, 17, 0),         # a whole prompt, causal; 7 query heads per KV head
+    (33, 4, 1, 256, 300, 267),      # gemma-3's head size, one KV head
+    (1, 8, 8, 128, 70, -1),         # one row, no grouping
+    (50, 4, 2, 64, 50, 0),          # keys not a multiple of 16, rows not a multiple of a task's
+    (3, 4, 2, 64, 80, 20),          # rows that see only the first keys of the pool
+]
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,offset", CASES)
+def test_bf16_attention_equals_float64_over_its_rounded_inputs(T, Hq, Hkv, D, L, offset):
+    g = torch.Generator().manual_seed(T * 1000 + L)
+    q, k, v = (torch.randn(*shape, generator=g) * 2 for shape in ((T, Hq, D), (Hkv, L, D), (Hkv, L, D)))
+    scale = 1 / math.sqrt(D)
+    out, lse = kernels.attention_bf16(q, k, v, offset, scale)
+    ref_out, ref_lse = reference(q, k, v, offset, scale)
+    assert out.shape == (T, Hq, D) and lse.shape == (T, Hq) and out.dtype == lse.dtype == torch.float32
+    np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), rtol=2e-6, atol=2e-6)
+    bound = 2 * U * v.bfloat16().abs().max().item()
+    assert (out.double() - ref_out).abs().max().item() <= bound
+
+
+def test_bf16_attention_of_one_key_returns_its_value():
+    """With one visible key the softmax weight is exactly 1: the output is that key's bfloat16
+    value (rows i of a causal call with offset 0 see keys 0..i; row 0 sees only key 0)."""
+    q, k, v = torch.randn(4, 2, 64), torch.randn(1, 4, 64), torch.randn(1, 4, 64)
+    out, _ = kernels.attention_bf16(q, k, v, 0, 0.125)
+    torch.testing.assert_close(out[0], v[0, 0].bfloat16().float().expand(2, 64), rtol=0, atol=0)
+
+
+def test_bf16_attention_refuses_what_it_cannot_compute():
+    q, k = torch.randn(2, 4, 32), torch.randn(2, 8, 32)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernels.attention_bf16(q, k, k, -1, 0.1)
+    q, k = torch.randn(2, 3, 64), torch.randn(2, 8, 64)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        kernels.attention_bf16(q, k, k, -1, 0.1)
+
+
+def test_the_model_attends_prompts_in_bf16_with_int8_prompt_math_only(tiny_gguf, monkeypatch):
+    """A quantized model with prompt_math "int8" (the default) sends every layer's prompt
+    attention through the kernel, and its logits stay within the 8-bit activations' error of
+    the float32 path; prompt_math "float32" and float weights never call it."""
+    from localrun.api import LLM
+    from localrun.model import llama
+    calls = []
+    real = kernels.attention_bf16
+    monkeypatch.setattr(llama.kernels, "attention_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
+    path = tiny_gguf("Q8_0")
+    prompt = list(range(5, 45))
+    llm = LLM(path, n_ctx=64)
+    fast = llm.logits(prompt).numpy()
+    assert len(calls) == len(llm.model.layers) and all(shape[0] == len(prompt) for shape in calls)
+    calls.clear()
+    exact = LLM(path, n_ctx=64, prompt_math="float32").logits(prompt).numpy()
+    LLM(tiny_gguf("F32"), n_ctx=64).logits(prompt)
+    assert not calls
+    f = fidelity(exact.astype(np.float64), fast, margin=0.2)
+    assert f.top1_confident == 1.0 and f.mean_kl < 2e-3, f
