@@ -84,6 +84,10 @@ def main():
     ap.add_argument("--kv-type", default=None, help="localrun's KV type (default: the engine's)")
     ap.add_argument("--prompt-math", default="int8", help="localrun's prompt math: int8 (default) or float32")
     ap.add_argument("--sampled", action="store_true", help="sample at llama.cpp's default chain instead of argmax")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="sequences localrun's engine is built for (default 1: `localrun chat`'s engine, one "
+                         "stream as llama.cpp's context here; an engine built for more picks the layouts that "
+                         "pay off in batches, docs/measurements.md)")
     args = ap.parse_args()
 
     import llama_cpp
@@ -94,7 +98,7 @@ def main():
 
     path = resolve_model(args.model)
     llm = LLM(path, n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_threads=args.threads, dtype=args.dtype,
-              kv_type=args.kv_type, prompt_math=args.prompt_math)
+              kv_type=args.kv_type, prompt_math=args.prompt_math, n_parallel=args.parallel)
     ref = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_batch=512,
                           n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     ids = prompt_ids(llm, args.prompt_tokens)
@@ -122,7 +126,7 @@ def main():
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
         "sampling": f"top-k 40, top-p 0.95, min-p 0.05, temperature {TEMPERATURE}" if args.sampled else "greedy",
         "localrun_dtype": str(llm.dtype).replace("torch.", ""), "localrun_kv_type": llm.engine.kv_type,
-        "localrun_prompt_math": args.prompt_math,
+        "localrun_prompt_math": args.prompt_math, "localrun_parallel": args.parallel,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "localrun_prefill_tok_s": round(best["localrun"][0], 1),
         "llamacpp_prefill_tok_s": round(best["llama.cpp"][0], 1),
