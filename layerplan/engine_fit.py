@@ -7,8 +7,12 @@ size split into `batch` prompts, and one after a cached prefix); this module fin
 from a difference of timings that, in the model, depends only on it and on the figures found
 before it (bisection on the model, which is monotone in each):
 
-  1. KV bandwidth: `batch` sequences decoding at the long fill against the short one (only their
-     attention differs);
+  1. KV bandwidth: one sequence decoding at the long fill against the short one (only its
+     attention differs). Fitted on `batch` sequences instead, it came out at 12 GB/s on 2 Zen 4
+     cores where one sequence reads its cache at ~17 (four rows over 2060 cached tokens are
+     split over the threads otherwise than one long row), and every one-sequence step over a
+     long context was predicted 1.2x too slow (docs/layerplan.md); the batch's long timing is
+     now a residual the fit does not chase;
   2. decode flop/s: `batch` sequences against one, at the short fill (their decode rows' matmuls
      and the head's rows differ; attention by the bandwidth just found);
   3. per-layer overhead (with every matmul call's fixed cost): one sequence through all layers
@@ -64,6 +68,7 @@ class EngineTimings:
     attention_tokens: int            # the size of the two attention timings:
     prefill_split_s: float           # seconds of one step prefilling `batch` prompts of attention_tokens / batch
     prefill_cached_s: float          # seconds of the step of attention_tokens new tokens after as many cached
+    decode_long_s: float | None = None   # one sequence, long fill, all layers (None: a calibration from before it)
 
 
 def _solve_rate(seconds_at, target: float, unseen: float) -> float:
@@ -133,11 +138,15 @@ def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings
 
 
 def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
-    # 1. attention: only the cache fill differs between the two batched timings
+    # 1. attention: only the cache fill differs between the two timings of one sequence (of the
+    #    batch in a calibration without the one-sequence one)
+    rows, long_s, short_s = ((1, t.decode_long_s, t.decode_short_s) if t.decode_long_s is not None
+                             else (t.batch, t.decode_batch_long_s, t.decode_batch_s))
+
     def fill_cost(kv_bandwidth):
         x = replace(h, kv_bandwidth=kv_bandwidth)
-        return m.decode(x, t.batch, t.fill_long) - m.decode(x, t.batch, t.fill_short)
-    h = replace(h, kv_bandwidth=_solve_rate(fill_cost, t.decode_batch_long_s - t.decode_batch_s, h.kv_bandwidth))
+        return m.decode(x, rows, t.fill_long) - m.decode(x, rows, t.fill_short)
+    h = replace(h, kv_bandwidth=_solve_rate(fill_cost, long_s - short_s, h.kv_bandwidth))
 
     # 2. decode rows: `batch` sequences against one at the same fill (per-layer and per-step costs cancel)
     def rows_cost(decode_flops):
@@ -239,6 +248,7 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
             "decode_short": t.decode_short_s / m.decode(host, 1, t.fill_short),
             "decode_batch": t.decode_batch_s / m.decode(host, t.batch, t.fill_short),
             "decode_batch_long": t.decode_batch_long_s / m.decode(host, t.batch, t.fill_long),
+            **({"decode_long": t.decode_long_s / m.decode(host, 1, t.fill_long)} if t.decode_long_s is not None else {}),
             **{f"prefill_{n}": s / m.prefill(host, n) for n, s in zip(t.prompt_tokens, t.prefill_s)},
             "prefill_split": t.prefill_split_s / m.prefill(host, t.attention_tokens, n_prompts=t.batch),
             "prefill_cached": t.prefill_cached_s / m.prefill(host, t.attention_tokens, t.attention_tokens)}

@@ -8,7 +8,7 @@ GGUF file the way the engine builds it (`localrun.LLM`, at the thread count it w
 times the engine's own steps (`engine.step()`, one by one):
 
 - decode steps of one sequence at a short cache fill, through the model's first layers (and its
-  head) and through all of them;
+  head) and through all of them, and at a long fill, on engines built for one sequence;
 - decode steps of BATCH sequences at the short fill and at a long one;
 - the single prompt step of prompts of several sizes from an empty cache, of ATTENTION_TOKENS
   tokens as BATCH prompts, and of ATTENTION_TOKENS tokens after as many cached ones (a
@@ -194,21 +194,30 @@ def measure_timings(path, threads: int | None = None):
     sizes = tuple(sorted({max(1, min(size, n * size // ATTENTION_TOKENS)) for size in PROMPT_SIZES}))  # one step each
     taken = []
 
+    # One sequence is timed on engines built for one (as `localrun chat` builds it), the batches on
+    # one built for BATCH: an engine's weight layouts follow the sequences it is built for
+    # (gguf_weight.lane_types; a Q8_0 head runs in lanes from 2 on, 1.2x a row's time for one row),
+    # so a one-sequence step of the batch engine was slower than the plan's one-sequence case.
     shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)
     taken.append(shallow.decode(1, SHORT_FILL))
     del shallow
+    single = _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads)
+    for fill in (SHORT_FILL, long_fill):
+        taken.append(single.decode(1, fill))
+    del single
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
-    for n_seqs, fill in ((1, SHORT_FILL), (BATCH, SHORT_FILL), (BATCH, long_fill)):
+    for n_seqs, fill in ((BATCH, SHORT_FILL), (BATCH, long_fill)):
         taken.append(full.decode(n_seqs, fill))
     taken.append(full.prefill(sizes, n))
     kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
-    (shallow_s,), (short_s,), (batch_s,), (batch_long_s,), (*prefill_s, split_s, cached_s) = (t[0] for t in taken)
+    (shallow_s,), (short_s,), (long_s,), (batch_s,), (batch_long_s,), (*prefill_s, split_s, cached_s) = (
+        t[0] for t in taken)
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
                             fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
                             decode_batch_s=batch_s, decode_batch_long_s=batch_long_s, prompt_tokens=sizes,
                             prefill_s=tuple(prefill_s), attention_tokens=n, prefill_split_s=split_s,
-                            prefill_cached_s=cached_s)
+                            prefill_cached_s=cached_s, decode_long_s=long_s)
     others = [t[1] for t in taken if t[1] is not None]
     return timings, kv_type, max(others) if others else None, all(t[2] for t in taken)
 
@@ -263,7 +272,9 @@ def measure_engine(path, calibration, threads: int | None = None):
     profile = engine_profile(path)
     host = apply(layerplan.Machine(gpus=(), host=probe_host()), calibration).host
     fitted = fit_host(profile, host, kv_type, timings)
-    worst = max(abs(r - 1) for r in residuals(profile, fitted, kv_type, timings).values())
+    misfit = {name: abs(r - 1) for name, r in residuals(profile, fitted, kv_type, timings).items()}
+    worst_name = max(misfit, key=misfit.get)
+    worst = misfit[worst_name]
     t = timings
     return replace(
         calibration,
@@ -276,12 +287,14 @@ def measure_engine(path, calibration, threads: int | None = None):
         suspect=calibration.suspect or not all_quiet,
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
-                      f"{t.decode_short_s * 1e3:.2f} ms at all, {t.decode_batch_s * 1e3:.2f} ms for {t.batch} "
+                      f"{t.decode_short_s * 1e3:.2f} ms at all, "
+                      + (f"{t.decode_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached, " if t.decode_long_s else "")
+                      + f"{t.decode_batch_s * 1e3:.2f} ms for {t.batch} "
                       f"sequences, {t.decode_batch_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached; prompt steps "
                       + ", ".join(f"{s * 1e3:.0f} ms for {n} tokens" for n, s in zip(t.prompt_tokens, t.prefill_s))
                       + f", {t.prefill_split_s * 1e3:.0f} ms for {t.batch} prompts of {t.attention_tokens // t.batch}"
                       f", {t.prefill_cached_s * 1e3:.0f} ms for {t.attention_tokens} after as many cached; "
-                      f"the model reproduces these within {worst:.1%} (worst)"),
+                      f"the model reproduces these within {worst:.1%} (worst: {worst_name})"),
         backend="engine",
     )
 

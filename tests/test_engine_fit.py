@@ -35,7 +35,7 @@ def _timings(profile: ModelProfile, host: Device, kv_type: str = "f16") -> Engin
                          decode_batch_s=m.decode(host, 4, 40.0), decode_batch_long_s=m.decode(host, 4, 1040.0),
                          prompt_tokens=(128, 384, 1024), prefill_s=tuple(m.prefill(host, n) for n in (128, 384, 1024)),
                          attention_tokens=1024, prefill_split_s=m.prefill(host, 1024, n_prompts=4),
-                         prefill_cached_s=m.prefill(host, 1024, 1024))
+                         prefill_cached_s=m.prefill(host, 1024, 1024), decode_long_s=m.decode(host, 1, 1040.0))
 
 
 def test_timings_the_model_predicts_give_back_their_figures():
@@ -79,7 +79,7 @@ def test_no_unpacking_cost_is_found_where_there_is_none():
 def test_noise_never_gives_a_negative_cost_nor_an_infinite_rate():
     profile = _toy()
     # the shallow stack slower than the whole one, the long fill faster than the short, 4 rows as fast as 1
-    t = replace(_timings(profile, TRUE_HOST), decode_short_shallow_s=1.0, decode_batch_long_s=0.001)
+    t = replace(_timings(profile, TRUE_HOST), decode_short_shallow_s=1.0, decode_batch_long_s=0.001, decode_long_s=0.001)
     t = replace(t, decode_batch_s=t.decode_short_s)
     start = replace(TRUE_HOST, kv_bandwidth=7e9, decode_flops=0.0)
     fitted = fit_host(profile, start, "f16", t)
@@ -148,3 +148,24 @@ def test_prompts_that_arrive_together_share_steps_oldest_first():
     assert four.prompts_together == 4 and four.prefill_tok_s > one.prefill_tok_s
     assert four.ttft_s == pytest.approx(step_seconds(profile, machine, placement, settings, ((479, 0),) * 4,
                                                      n_logits=4, decode=False), rel=1e-9)
+
+
+def test_the_kv_bandwidth_is_one_sequences_over_a_long_cache():
+    """The KV bandwidth comes from one sequence's decode steps at the long fill against the short
+    one: four rows over a long cache that run slower per row (here twice the attention time; split
+    over the threads otherwise)
+    stay a residual instead of slowing every one-sequence prediction (on 2 Zen 4 cores the batch
+    gave 12 GB/s where one sequence read at ~17). A calibration from before the one-sequence
+    timing falls back to the batch's."""
+    profile = _toy()
+    start = replace(TRUE_HOST, kv_bandwidth=1e9)
+    t = _timings(profile, TRUE_HOST)
+    slow_batch = replace(t, decode_batch_long_s=t.decode_batch_s + 2 * (t.decode_batch_long_s - t.decode_batch_s))
+    fitted = fit_host(profile, start, "f16", slow_batch)
+    assert fitted.kv_bandwidth == pytest.approx(TRUE_HOST.kv_bandwidth, rel=1e-3)
+    r = residuals(profile, fitted, "f16", slow_batch)
+    assert r["decode_long"] == pytest.approx(1.0, rel=1e-3) and r["decode_batch_long"] > 1.1
+    older = fit_host(profile, start, "f16", replace(slow_batch, decode_long_s=None))
+    assert older.kv_bandwidth < 0.8 * TRUE_HOST.kv_bandwidth
+    assert residuals(profile, older, "f16", replace(slow_batch, decode_long_s=None))["decode_batch_long"] == \
+        pytest.approx(1.0, rel=1e-3)

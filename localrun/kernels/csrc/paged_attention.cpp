@@ -1063,8 +1063,13 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     int64_t work = 0;                                       // query heads x positions x head size
     for (const Task& task : row_tasks) work += H * (task.end - task.first) * hd;
     const bool serial = work < SERIAL_WORK;                 // one thread, no head slices (same bits either way)
-    const int64_t want = serial ? 1 : 2 * at::get_num_threads();
-    const bool whole_rows = n_kv > 1 && vector_kernel_takes(hd, H) && (int64_t)row_tasks.size() >= want;
+    const int64_t threads = at::get_num_threads(), want = serial ? 1 : 2 * threads;
+    // at::parallel_for hands each thread an equal run of tasks: 5 chunks of one row on 2 threads
+    // took the time of 3 (a 2060-position row); a task per KV head then balances better, with
+    // the same bits
+    const auto imbalance = [&](int64_t n) { return (double)((n + threads - 1) / threads * threads) / (double)n; };
+    const bool whole_rows = n_kv > 1 && vector_kernel_takes(hd, H) && (int64_t)row_tasks.size() >= want &&
+                            (serial || imbalance((int64_t)row_tasks.size()) <= 1.1);
     if (whole_rows) tasks = row_tasks;
     else
         for (const Task& task : row_tasks)
