@@ -1,6 +1,7 @@
 """`localrun serve`: load a model and serve the OpenAI API on localhost with uvicorn."""
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import signal
@@ -122,6 +123,11 @@ def serve(model: Optional[str] = ModelArg,
     aliases = frozenset({llm.model_path.name, llm.model_path.stem, str(llm.model_path)} - {name})
     app = create_app(llm, ServerConfig(name, aliases, api_key, max_body, access=access,
                                        strict_model_name=strict_model_name, max_queue=max_queue))
+    # What start-up made (torch, the model, the app: ~200k objects with SmolLM2) moves to the
+    # collector's permanent generation, so a full collection walks only what serving made since:
+    # 1.7 ms instead of 88 ms, a pause of the event loop and the engine alike (vLLM does the same)
+    gc.collect()
+    gc.freeze()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("localrun").setLevel(log_level.upper())
     stats = llm.engine.stats()
