@@ -60,9 +60,11 @@ def test_a_chunk_beside_decodes_costs_its_prompt_tokens_not_a_decode_rows_price(
 
 def test_the_bound_plans_with_the_largest_overrun_the_model_leaves():
     """bound() = cost() times the largest actual / cost() of the recent steps that carried
-    decodes and prompt tokens, priced by the model as it is now; PRIOR_OVERRUN before
-    MIN_OVERRUNS of them. Steps that follow the law leave no overrun once learned; steps with
-    +-10% noise leave about 1.1; a slow step leaves the window after OVERRUN_WINDOW more."""
+    decodes and prompt tokens, priced by the model as it is now, plus its distance from their
+    median; PRIOR_OVERRUN before MIN_OVERRUNS of them. Steps that follow the law leave no
+    overrun once learned; steps with +-10% noise leave about 1.2 (1.1 and 0.1 beyond the median),
+    so that a step of that noise lands within the target; a slow step leaves the window after
+    OVERRUN_WINDOW more."""
     from localrun.engine import step_cost
     model = MixedStepCost(lambda n: law(n, 0, 0), lambda n: 0.5 * law(0, n, attended_keys(32, n)))  # prior off 2x
     a = attended_keys(1000, 40)
@@ -77,11 +79,12 @@ def test_the_bound_plans_with_the_largest_overrun_the_model_leaves():
         assert model.overrun_factor() == step_cost.PRIOR_OVERRUN
     for d, p, start in shapes:
         model.observe(d, p, attended_keys(start, p), law(d, p, attended_keys(start, p)))
-    assert 0.97 < model.overrun_factor() < 1.08        # the ridge prior leaves a few percent
+    assert 0.97 < model.overrun_factor() < 1.1         # the ridge prior leaves a few percent
     for i, (d, p, start) in enumerate(shapes):
         model.observe(d, p, attended_keys(start, p), law(d, p, attended_keys(start, p)) * (1.1 if i % 2 else 0.9))
-    assert 1.05 < model.overrun_factor() < 1.15
+    assert 1.15 < model.overrun_factor() < 1.3
     assert model.bound(8, 40, a) == pytest.approx(model.overrun_factor() * model.cost(8, 40, a))
+    assert all(seconds <= model.overrun_factor() * model.cost(d, p, a) for d, p, a, seconds in model.mixed)
     model.observe(8, 40, a, 3 * law(8, 40, a))                  # one slow step
     assert model.overrun_factor() > 2
     for d, p, start in shapes[:step_cost.OVERRUN_WINDOW]:
