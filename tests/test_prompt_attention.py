@@ -24,36 +24,42 @@ pytestmark = [pytest.mark.numerics,
 U = 2.0 ** -8          # bfloat16's unit roundoff
 
 
-def reference(q, k, v, offset: int, scale: float):
-    """float64 attention of bfloat16-rounded q, k, v: query i sees keys 0 .. offset + i."""
+def reference(q, k, v, offset: int, scale: float, window: int = 0):
+    """float64 attention of bfloat16-rounded q, k, v: query i sees keys 0 .. offset + i (with a
+    window, only those after offset + i - window)."""
     T, Hq, _ = q.shape
     Hkv, L, _ = k.shape
     q, k, v = (x.bfloat16().double() for x in (q, k, v))
     k, v = k.repeat_interleave(Hq // Hkv, 0), v.repeat_interleave(Hq // Hkv, 0)
     s = torch.einsum("thd,hld->thl", q, k) * scale
+    key, last = torch.arange(L)[None, None, :], torch.arange(T)[:, None, None] + offset
     if offset >= 0:
-        s = s.masked_fill(torch.arange(L)[None, None, :] > torch.arange(T)[:, None, None] + offset, float("-inf"))
+        s = s.masked_fill(key > last, float("-inf"))
+    if window:
+        s = s.masked_fill(key <= last - window, float("-inf"))
     return torch.einsum("thl,hld->thd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
 
 
-CASES = [   # T, query heads, KV heads, head size, keys, offset (-1: no mask)
-    (5, 9, 3, 64, 37, -1),          # a few rows over a cached prefix (cascade)
-    (40, 9, 3, 64, 1064, 1024),     # a chunk after 1024 cached keys
-    (17, 14, 2, 64, 17, 0),         # a whole prompt, causal; 7 query heads per KV head
-    (33, 4, 1, 256, 300, 267),      # gemma-3's head size, one KV head
-    (1, 8, 8, 128, 70, -1),         # one row, no grouping
-    (50, 4, 2, 64, 50, 0),          # keys not a multiple of 16, rows not a multiple of a task's
-    (3, 4, 2, 64, 80, 20),          # rows that see only the first keys of the pool
+CASES = [   # T, query heads, KV heads, head size, keys, offset (-1: no mask), window (0: none)
+    (5, 9, 3, 64, 37, -1, 0),           # a few rows over a cached prefix (cascade)
+    (40, 9, 3, 64, 1064, 1024, 0),      # a chunk after 1024 cached keys
+    (17, 14, 2, 64, 17, 0, 0),          # a whole prompt, causal; 7 query heads per KV head
+    (33, 4, 1, 256, 300, 267, 0),       # gemma-3's head size, one KV head
+    (1, 8, 8, 128, 70, -1, 0),          # one row, no grouping
+    (50, 4, 2, 64, 50, 0, 0),           # keys not a multiple of 16, rows not a multiple of a task's
+    (3, 4, 2, 64, 80, 20, 0),           # rows that see only the first keys of the pool
+    (300, 4, 1, 256, 300, 0, 37),       # a sliding-window layer's prompt: keys i - 36 .. i
+    (90, 4, 2, 128, 150, 60, 100),      # a window over cached keys and the chunk's own
 ]
 
 
-@pytest.mark.parametrize("T,Hq,Hkv,D,L,offset", CASES)
-def test_bf16_attention_equals_float64_over_its_rounded_inputs(T, Hq, Hkv, D, L, offset):
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,offset,window", CASES)
+def test_bf16_attention_equals_float64_over_its_rounded_inputs(T, Hq, Hkv, D, L, offset, window):
     g = torch.Generator().manual_seed(T * 1000 + L)
     q, k, v = (torch.randn(*shape, generator=g) * 2 for shape in ((T, Hq, D), (Hkv, L, D), (Hkv, L, D)))
     scale = 1 / math.sqrt(D)
-    out, lse = kernels.attention_bf16(q, k, v, offset, scale)
-    ref_out, ref_lse = reference(q, k, v, offset, scale)
+    out, lse = kernels.attention_bf16(q, k, v, offset, scale, window)
+    ref_out, ref_lse = reference(q, k, v, offset, scale, window)
     assert out.shape == (T, Hq, D) and lse.shape == (T, Hq) and out.dtype == lse.dtype == torch.float32
     np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), rtol=2e-6, atol=2e-6)
     bound = 2 * U * v.bfloat16().abs().max().item()
@@ -75,6 +81,9 @@ def test_bf16_attention_refuses_what_it_cannot_compute():
     q, k = torch.randn(2, 3, 64), torch.randn(2, 8, 64)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         kernels.attention_bf16(q, k, k, -1, 0.1)
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(RuntimeError, match="window needs a causal offset"):
+        kernels.attention_bf16(q, k, k, -1, 0.1, 4)
 
 
 def test_the_model_attends_prompts_in_bf16_with_int8_prompt_math_only(tiny_gguf, monkeypatch):

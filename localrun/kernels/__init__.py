@@ -99,9 +99,10 @@ def has_attention_bf16() -> bool:
 
 
 def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries q (T, Hq, hd) over keys and values (Hkv, L, hd), float32, query i seeing keys
-    0 .. offset + i (offset < 0: all of them), scores scaled by `scale`: the output (T, Hq, hd)
+    0 .. offset + i (offset < 0: all of them; window > 0: only the last `window` of those),
+    scores scaled by `scale`: the output (T, Hq, hd)
     and the natural log-sum-exp of each row's scores (T, Hq), both float32. Queries, keys, values
     and softmax weights are rounded to bfloat16 before they multiply; sums stay float32."""
-    return torch.ops.localrun.attention_bf16(q, k, v, offset, scale)
+    return torch.ops.localrun.attention_bf16(q, k, v, offset, scale, window)

@@ -274,11 +274,12 @@ class Attention(nn.Module):
     def _bf16(self, q: torch.Tensor) -> bool:
         return self.bf16_prompt and q.dtype == torch.float32 and q.device.type == "cpu"
 
-    def _bf16_attend(self, q, k, v, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bf16_attend(self, q, k, v, offset: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries (t, H, hd) over keys and values (n_kv, L, hd), query i over keys 0 .. offset + i
-        (offset < 0: all): (output (t, H, hd), log-sum-exp (t, H)), float32 sums over bfloat16
-        products (kernels.attention_bf16). The scale is sdpa's: a custom one is folded into q."""
-        return kernels.attention_bf16(q, k.float(), v.float(), offset, self.head_dim ** -0.5)
+        (offset < 0: all; window > 0: the last `window` of them): (output (t, H, hd), log-sum-exp
+        (t, H)), float32 sums over bfloat16 products (kernels.attention_bf16). The scale is sdpa's:
+        a custom one is folded into q."""
+        return kernels.attention_bf16(q, k.float(), v.float(), offset, self.head_dim ** -0.5, window)
 
     def _attend_window(self, q, k_all, v_all, rowwise: bool, offset: int = 0) -> torch.Tensor:
         """Query i (position P-t+i, P = offset + L) over keys p with P-t+i - window < p <= P-t+i
@@ -296,6 +297,8 @@ class Attention(nn.Module):
             return torch.cat(rows)
         if end - w <= first:      # every query sees every key from `first` on: plain causal attention
             return self._attend_causal(q, k_all, v_all)
+        if self._bf16(q):         # one call: key j is position first + j; query i sees its window of them
+            return self._bf16_attend(q, k_all, v_all, end - t - first, w)[0]
         # Queries in blocks of WINDOW_QUERY_BLOCK rows, each over the keys its rows can see (the
         # block's window: block + w - 1 keys), not the whole chunk's: one masked SDPA over the
         # chunk would compute t x (t + w - 1) scores for t x w that count (5x at t = 2048, w = 512).

@@ -1,7 +1,8 @@
 // Attention of a step's prompt rows in bfloat16 with float32 sums (AVX-512 BF16's vdpbf16ps):
-//   attention_bf16(q, k, v, offset, scale) -> (out, lse)
+//   attention_bf16(q, k, v, offset, scale, window=0) -> (out, lse)
 //     q (T, Hq, D) float32; k, v (Hkv, L, D) float32; query i sees keys 0 .. offset + i
-//     (offset < 0: every key); out (T, Hq, D) float32 and lse (T, Hq) float32, the natural
+//     (offset < 0: every key), and with window > 0 only the last `window` of those (a sliding-
+//     window layer: keys offset + i - window + 1 .. offset + i); out (T, Hq, D) float32 and lse (T, Hq) float32, the natural
 //     log-sum-exp of each row's scaled scores, as torch's flash attention returns them (so the
 //     caller merges partial attentions the same way). Query head h reads KV head h / (Hq / Hkv).
 //   has_attention_bf16() -> bool   whether this CPU has AVX-512 BF16 (and LOCALRUN_ISA allows it)
@@ -143,7 +144,7 @@ BF16_TARGET inline void values4(const uint32_t* w, const uint32_t* vp, int64_t p
 struct Call {
     const float* q; float* out; float* lse;
     const uint32_t* kp; const uint32_t* vp;
-    int64_t T, Hq, Hkv, G, L, D, offset;
+    int64_t T, Hq, Hkv, G, L, D, offset, window;
     float sc;                                    // scale * log2(e)
 };
 
@@ -155,20 +156,22 @@ BF16_TARGET void attend_task(const Call& a, int64_t g, int64_t i0, int64_t i1) {
     std::vector<float> o(R4 * D, 0.f), s(4 * KEYS);
     std::vector<uint32_t> w(R4 * (KEYS / 2));
     std::vector<float> m(R4, -std::numeric_limits<float>::infinity()), l(R4, 0.f), alpha(R4);
-    std::vector<int64_t> last(R4);                          // the last key each row sees
+    std::vector<int64_t> first(R4), last(R4);               // the first and last key each row sees
     for (int64_t r = 0; r < R4; r++) {
         const int64_t i = i0 + std::min(r, R - 1) / G;      // padding rows repeat the last real row
         last[r] = a.offset < 0 ? a.L - 1 : std::min(a.L - 1, a.offset + i);
+        first[r] = a.window > 0 ? std::max<int64_t>(0, a.offset + i - a.window + 1) : 0;
         if (r >= R) continue;
         const float* src = a.q + (i * a.Hq + g * G + r % G) * D;
         for (int64_t d = 0; d < D; d += 32)
             _mm512_storeu_si512((__m512i*)(qb.data() + r * P + d / 2),
                                 pairs_of(_mm512_loadu_ps(src + d), _mm512_loadu_ps(src + d + 16)));
     }
-    const int64_t end = last[R4 - 1] + 1;                   // keys any row of the task sees
+    const int64_t end = last[R4 - 1] + 1;                   // keys any row of the task sees: from begin on
+    const int64_t begin = first[0] / 16 * 16;               // (rows by position: the first row's first key is the least)
     const uint32_t* kp = a.kp + g * ((a.L + 15) / 16) * P * 16;
     const uint32_t* vp = a.vp + g * ((a.L + 15) / 16) * 8 * C * 16;
-    for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
+    for (int64_t k0 = begin; k0 < end; k0 += KEYS) {
         const int64_t nv = std::min<int64_t>(4, (end - k0 + 15) / 16), nk = nv * 16;
         const uint32_t* kblock = kp + k0 / 16 * P * 16;
         for (int64_t r = 0; r < R4; r += 4) {
@@ -182,6 +185,7 @@ BF16_TARGET void attend_task(const Call& a, int64_t g, int64_t i0, int64_t i1) {
                 float* si = s.data() + i * KEYS;
                 const int64_t seen = std::min(nk, last[r + i] - k0 + 1);   // keys k0 .. k0 + seen - 1
                 for (int64_t k = std::max<int64_t>(seen, 0); k < nk; k++) si[k] = -std::numeric_limits<float>::infinity();
+                for (int64_t k = 0; k < std::min(nk, first[r + i] - k0); k++) si[k] = -std::numeric_limits<float>::infinity();
                 __m512 mx = _mm512_loadu_ps(si);
                 for (int64_t c = 1; c < nv; c++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + c * 16));
                 const float m_new = std::max(m[r + i], _mm512_reduce_max_ps(mx));
@@ -224,7 +228,7 @@ BF16_TARGET void attend_task(const Call& a, int64_t g, int64_t i0, int64_t i1) {
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  int64_t offset, double scale) {
+                                                  int64_t offset, double scale, int64_t window) {
     TORCH_CHECK(bf16_allowed(), "localrun::attention_bf16: this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)");
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::attention_bf16: q (T, Hq, D), k and v (Hkv, L, D)");
     TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -232,6 +236,7 @@ std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at:
     const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
     TORCH_CHECK(k.size(2) == D && D % 64 == 0 && D <= 256, "localrun::attention_bf16: head size a multiple of 64, at most 256");
     TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && L > 0, "localrun::attention_bf16: query heads a multiple of KV heads, keys > 0");
+    TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), "localrun::attention_bf16: a window needs a causal offset");
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     const int64_t L16 = (L + 15) / 16;
     at::Tensor kp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt), vp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt);
@@ -250,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at:
     const int64_t G = Hq / Hkv, positions = std::max<int64_t>(1, ROWS / G);
     const int64_t chunks = (T + positions - 1) / positions;
     Call call{qc.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(), kpp, vpp,
-              T, Hq, Hkv, G, L, D, offset, static_cast<float>(scale * 1.4426950408889634)};
+              T, Hq, Hkv, G, L, D, offset, window, static_cast<float>(scale * 1.4426950408889634)};
     at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; t++) {
             const int64_t g = t % Hkv, i0 = t / Hkv * positions;
@@ -264,7 +269,7 @@ std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at:
 }  // namespace localrun
 
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
-    m.def("attention_bf16(Tensor q, Tensor k, Tensor v, int offset, float scale) -> (Tensor, Tensor)");
+    m.def("attention_bf16(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0) -> (Tensor, Tensor)");
     m.def("has_attention_bf16() -> bool", [] { return localrun::bf16_allowed(); });
 }
 
