@@ -152,7 +152,7 @@ def test_prompt_chunk_after_cached_keys_equals_float64_causal_softmax(H, n_kv, t
     g = torch.Generator().manual_seed(t)
     q = torch.randn(t, H, hd, generator=g)
     k, v = torch.randn(n_kv, L, hd, generator=g), torch.randn(n_kv, L, hd, generator=g)
-    layer = SimpleNamespace(n_head=H, n_head_kv=n_kv, head_dim=hd, _bf16=lambda q: False)   # float32 attention
+    layer = SimpleNamespace(n_head=H, n_head_kv=n_kv, head_dim=hd, _kernel=lambda q: False)   # float32 attention
     got = Attention._attend_after_cached(layer, q, k, v)
     assert got.shape == (t, H, hd) and got.dtype == torch.float32
     qd, kd, vd = q.double(), k.double(), v.double()

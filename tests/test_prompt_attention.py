@@ -1,11 +1,13 @@
-"""The bfloat16 prompt attention kernel (csrc/prompt_attention.cpp) against a float64 reference.
+"""The prompt attention kernels (csrc/prompt_attention.cpp) against a float64 reference.
 
-The kernel rounds queries, keys, values and the softmax weights to bfloat16 and keeps every sum
-in float32. Against float64 attention over the same rounded queries, keys and values, the
+attention_bf16 rounds queries, keys, values and the softmax weights to bfloat16 and keeps every
+sum in float32. Against float64 attention over the same rounded queries, keys and values, the
 scores (so the log-sum-exp) agree to float32 rounding, which catches a key too many or too few
 under the mask; the output differs only by the weights' rounding: each weight within
 bfloat16's unit roundoff u = 2^-8 of its value, so at most 2u max|v| (with the float32 sums'
-error far below)."""
+error far below). attention_f32 rounds nothing: against float64 attention over its own inputs,
+the log-sum-exp to the same 2e-6 and the output to float32 sums' error (each weight within a
+few float32 roundings: the output within 1e-5 max|v|)."""
 from __future__ import annotations
 
 import math
@@ -17,19 +19,31 @@ from fidelity import fidelity
 
 from localrun import kernels
 
-pytestmark = [pytest.mark.numerics,
-              pytest.mark.skipif(not kernels.has_attention_bf16(),
-                                 reason="no AVX-512 BF16 here (or LOCALRUN_ISA forces a narrower set)")]
+pytestmark = pytest.mark.numerics
+needs_bf16 = pytest.mark.skipif(not kernels.has_attention_bf16(),
+                                reason="no AVX-512 BF16 here (or LOCALRUN_ISA forces a narrower set)")
+needs_f32 = pytest.mark.skipif(not kernels.has_attention_f32(), reason="no AVX2 here (or LOCALRUN_ISA=ref)")
+KINDS = [pytest.param("bf16", marks=needs_bf16), pytest.param("f32", marks=needs_f32)]
 
 U = 2.0 ** -8          # bfloat16's unit roundoff
+F32_BOUND = 1e-5       # attention_f32's output error over max|v|
+
+
+def attention(kind: str):
+    return kernels.attention_bf16 if kind == "bf16" else kernels.attention_f32
+
+
+def inputs(kind: str, *xs):
+    """What the kernel multiplies: bfloat16-rounded (bf16) or the float32 inputs themselves."""
+    return tuple(x.bfloat16().float() if kind == "bf16" else x for x in xs)
 
 
 def reference(q, k, v, offset: int, scale: float, window: int = 0):
-    """float64 attention of bfloat16-rounded q, k, v: query i sees keys 0 .. offset + i (with a
-    window, only those after offset + i - window)."""
+    """float64 attention of q, k, v: query i sees keys 0 .. offset + i (with a window, only those
+    after offset + i - window)."""
     T, Hq, _ = q.shape
     Hkv, L, _ = k.shape
-    q, k, v = (x.bfloat16().double() for x in (q, k, v))
+    q, k, v = (x.double() for x in (q, k, v))
     k, v = k.repeat_interleave(Hq // Hkv, 0), v.repeat_interleave(Hq // Hkv, 0)
     s = torch.einsum("thd,hld->thl", q, k) * scale
     key, last = torch.arange(L)[None, None, :], torch.arange(T)[:, None, None] + offset
@@ -53,48 +67,72 @@ CASES = [   # T, query heads, KV heads, head size, keys, offset (-1: no mask), w
 ]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("T,Hq,Hkv,D,L,offset,window", CASES)
-def test_bf16_attention_equals_float64_over_its_rounded_inputs(T, Hq, Hkv, D, L, offset, window):
+def test_attention_equals_float64_over_its_inputs(kind, T, Hq, Hkv, D, L, offset, window):
     g = torch.Generator().manual_seed(T * 1000 + L)
     q, k, v = (torch.randn(*shape, generator=g) * 2 for shape in ((T, Hq, D), (Hkv, L, D), (Hkv, L, D)))
     scale = 1 / math.sqrt(D)
-    out, lse = kernels.attention_bf16(q, k, v, offset, scale, window)
-    ref_out, ref_lse = reference(q, k, v, offset, scale, window)
+    out, lse = attention(kind)(q, k, v, offset, scale, window)
+    ref_out, ref_lse = reference(*inputs(kind, q, k, v), offset, scale, window)
     assert out.shape == (T, Hq, D) and lse.shape == (T, Hq) and out.dtype == lse.dtype == torch.float32
     np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), rtol=2e-6, atol=2e-6)
-    bound = 2 * U * v.bfloat16().abs().max().item()
+    v_max = inputs(kind, v)[0].abs().max().item()
+    bound = (2 * U if kind == "bf16" else F32_BOUND) * v_max
     assert (out.double() - ref_out).abs().max().item() <= bound
 
 
-def test_bf16_attention_of_one_key_returns_its_value():
-    """With one visible key the softmax weight is exactly 1: the output is that key's bfloat16
-    value (rows i of a causal call with offset 0 see keys 0..i; row 0 sees only key 0)."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_of_one_key_returns_its_value(kind):
+    """With one visible key the softmax weight is exactly 1: the output is that key's value as
+    the kernel multiplies it (rows i of a causal call with offset 0 see keys 0..i; row 0 sees
+    only key 0)."""
     q, k, v = torch.randn(4, 2, 64), torch.randn(1, 4, 64), torch.randn(1, 4, 64)
-    out, _ = kernels.attention_bf16(q, k, v, 0, 0.125)
-    torch.testing.assert_close(out[0], v[0, 0].bfloat16().float().expand(2, 64), rtol=0, atol=0)
+    out, _ = attention(kind)(q, k, v, 0, 0.125)
+    torch.testing.assert_close(out[0], inputs(kind, v)[0][0, 0].expand(2, 64), rtol=0, atol=0)
 
 
-def test_bf16_attention_refuses_what_it_cannot_compute():
-    q, k = torch.randn(2, 4, 32), torch.randn(2, 8, 32)
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        kernels.attention_bf16(q, k, k, -1, 0.1)
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_refuses_what_it_cannot_compute(kind):
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 8, 8)
+    with pytest.raises(RuntimeError, match="multiple of 64" if kind == "bf16" else "multiple of 16"):
+        attention(kind)(q, k, k, -1, 0.1)
     q, k = torch.randn(2, 3, 64), torch.randn(2, 8, 64)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
-        kernels.attention_bf16(q, k, k, -1, 0.1)
+        attention(kind)(q, k, k, -1, 0.1)
     q = torch.randn(2, 4, 64)
     with pytest.raises(RuntimeError, match="window needs a causal offset"):
-        kernels.attention_bf16(q, k, k, -1, 0.1, 4)
+        attention(kind)(q, k, k, -1, 0.1, 4)
 
 
-def test_the_model_attends_prompts_in_bf16_with_int8_prompt_math_only(tiny_gguf, monkeypatch):
+def test_the_f32_kernel_equals_torchs_flash_attention():
+    """attention_f32 computes what torch's float32 flash attention computes (the reference path,
+    prompt_math "float32"), to float32 summation order: a causal prompt and a chunk after cached keys."""
+    if not kernels.has_attention_f32():
+        pytest.skip("no AVX2 here (or LOCALRUN_ISA=ref)")
+    g = torch.Generator().manual_seed(7)
+    for T, L in ((64, 64), (40, 300)):
+        q, k, v = torch.randn(T, 4, 64, generator=g), torch.randn(2, L, 64, generator=g), torch.randn(2, L, 64, generator=g)
+        out, _ = kernels.attention_f32(q, k, v, L - T, 0.125)
+        mask = torch.ones(T, L, dtype=torch.bool).tril(L - T)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), attn_mask=mask, scale=0.125)
+        torch.testing.assert_close(out, ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_attends_prompts_through_the_kernel_with_int8_prompt_math_only(tiny_gguf, monkeypatch):
     """A quantized model with prompt_math "int8" (the default) sends every layer's prompt
-    attention through the kernel, and its logits stay within the 8-bit activations' error of
-    the float32 path; prompt_math "float32" and float weights never call it."""
+    attention through this host's kernel (bf16 or f32), and its logits stay within the 8-bit
+    activations' error of the float32 path; prompt_math "float32" and float weights never call it."""
     from localrun.api import LLM
     from localrun.model import llama
+    kind = kernels.prompt_attention_kind()
+    if kind is None:
+        pytest.skip("no prompt attention kernel here (LOCALRUN_ISA=ref)")
     calls = []
-    real = kernels.attention_bf16
-    monkeypatch.setattr(llama.kernels, "attention_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
+    name = f"attention_{kind}"
+    real = getattr(kernels, name)
+    monkeypatch.setattr(llama.kernels, name, lambda *a: calls.append(a[0].shape) or real(*a))
     path = tiny_gguf("Q8_0")
     prompt = list(range(5, 45))
     llm = LLM(path, n_ctx=64)

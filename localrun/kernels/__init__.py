@@ -9,7 +9,9 @@
 - `rms_norm`, `add_rms_norm`, `silu_mul` (csrc/small_ops.cpp): fused small ops of a block.
 - `topk(x, n)` (csrc/topk.cpp): the sampler's candidates, one pass over a row of logits.
 - `attention_bf16(q, k, v, offset, scale)` (csrc/prompt_attention.cpp): prompt rows' attention
-  with bfloat16 products and float32 sums (AVX-512 BF16 only: `has_attention_bf16()`).
+  with bfloat16 products and float32 sums (AVX-512 BF16 only: `has_attention_bf16()`);
+  `attention_f32`, the same in float32 with FMA (AVX2: `has_attention_f32()`);
+  `prompt_attention_kind()` names the one the model uses here.
 
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
 The library is compiled by set-up (`python -m localrun.kernels.build`); if it is missing it is
@@ -106,3 +108,22 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: in
     and the natural log-sum-exp of each row's scores (T, Hq), both float32. Queries, keys, values
     and softmax weights are rounded to bfloat16 before they multiply; sums stay float32."""
     return torch.ops.localrun.attention_bf16(q, k, v, offset, scale, window)
+
+
+@lru_cache(maxsize=None)
+def has_attention_f32() -> bool:
+    """Whether attention_f32 runs here: the kernels are loaded, the CPU has AVX2 and FMA, and
+    LOCALRUN_ISA does not force the scalar reference."""
+    return available() and bool(torch.ops.localrun.has_attention_f32())
+
+
+def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                  scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """As attention_bf16, with no rounding of the inputs: float32 products and sums (FMA)."""
+    return torch.ops.localrun.attention_f32(q, k, v, offset, scale, window)
+
+
+def prompt_attention_kind() -> str | None:
+    """The prompt attention kernel of this host: "bf16" (attention_bf16, AVX-512 BF16), else
+    "f32" (attention_f32, AVX2), else None (torch's flash attention)."""
+    return "bf16" if has_attention_bf16() else "f32" if has_attention_f32() else None

@@ -132,7 +132,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, wqkv, wo, layer: int, bias: torch.Tensor | None = None,
                  q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, fused: bool = False,
-                 bf16_prompt: bool = False):
+                 prompt_kernel: str | None = None):
         super().__init__()
         self.rope = apply_rope_fused if fused else apply_rope      # the kernels' RoPE, or torch's
         self.wqkv, self.wo, self.layer = wqkv, wo, layer   # (q+2kv dims, D), (D, q dims)
@@ -142,9 +142,11 @@ class Attention(nn.Module):
         self.neox = config.arch.rope_type == "neox"
         self.window = config.sliding_window if config.is_local(layer) else None   # None: whole context
         self.scale = config.attention_scale                # None: 1/sqrt(head_dim)
-        # prompt rows' attention through kernels.attention_bf16 (bfloat16 products, float32 sums)
-        # instead of torch's float32 flash attention: with prompt_math "int8" on AVX-512 BF16 (Block)
-        self.bf16_prompt = bf16_prompt and self.head_dim % 64 == 0 and self.head_dim <= 256
+        # prompt rows' attention through localrun's kernel instead of torch's float32 flash
+        # attention, with prompt_math "int8" (Block): "bf16" (kernels.attention_bf16: bfloat16
+        # products, float32 sums; AVX-512 BF16) or "f32" (kernels.attention_f32: float32, AVX2)
+        step = 64 if prompt_kernel == "bf16" else 16
+        self.prompt_kernel = prompt_kernel if self.head_dim % step == 0 and self.head_dim <= 256 else None
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, segments: list[Segment], decode_rows: int = 0,
                 paged: PagedRows | None = None) -> torch.Tensor:
@@ -205,15 +207,15 @@ class Attention(nn.Module):
         G, C = self.n_head // self.n_head_kv, segments[0].shared.num_tokens
         rows = torch.cat([q[s.start:s.start + s.length] for s in segments])          # (R, H, hd)
         k_pre, v_pre = segments[0].cache.read(self.layer, C)                          # (n_kv, C, hd)
-        bf16 = self._bf16(q)
-        o_pre, lse_pre = self._bf16_attend(rows, k_pre, v_pre, -1) if bf16 else attend_unmasked(rows, k_pre, v_pre)
+        own = self._kernel(q)
+        o_pre, lse_pre = self._kernel_attend(rows, k_pre, v_pre, -1) if own else attend_unmasked(rows, k_pre, v_pre)
         o_own, lse_own = [], []
         for s in segments:
             rows_s = slice(s.start, s.start + s.length)
             k_s, v_s = s.cache.update(self.layer, s.cache_start, k[rows_s], v[rows_s], first=C)  # (n_kv, L - C, hd)
             t, n = s.length, k_s.shape[1]
-            if bf16:                  # query i (position cache_start + i) sees keys up to n - t + i
-                o, lse = self._bf16_attend(q[rows_s], k_s, v_s, n - t)
+            if own:                   # query i (position cache_start + i) sees keys up to n - t + i
+                o, lse = self._kernel_attend(q[rows_s], k_s, v_s, n - t)
                 o_own.append(o)
                 lse_own.append(lse)
                 continue
@@ -234,8 +236,8 @@ class Attention(nn.Module):
         log-sum-exps, instead of one SDPA with an explicit (t, L) mask, which takes the slower
         masked path. The same softmax (to float32 rounding)."""
         G, C = self.n_head // self.n_head_kv, k_all.shape[1] - q.shape[0]
-        if self._bf16(q):             # one call: query i sees keys 0 .. C + i
-            return self._bf16_attend(q, k_all, v_all, C)[0]
+        if self._kernel(q):           # one call: query i sees keys 0 .. C + i
+            return self._kernel_attend(q, k_all, v_all, C)[0]
         o_pre, lse_pre = attend_unmasked(q, k_all[:, :C], v_all[:, :C])
         k_own, v_own = k_all[:, C:], v_all[:, C:]
         if G > 1:
@@ -261,8 +263,8 @@ class Attention(nn.Module):
         query i over keys 0..L-t+i."""
         t, L = q.shape[0], k_all.shape[1]
         mask, causal = None, False
-        if t > 1 and self._bf16(q):
-            return self._bf16_attend(q, k_all, v_all, L - t)[0]
+        if t > 1 and self._kernel(q):
+            return self._kernel_attend(q, k_all, v_all, L - t)[0]
         if t > 1 and L == t:
             causal = True
         elif t > 1 and q.device.type == "cpu":
@@ -271,15 +273,16 @@ class Attention(nn.Module):
             mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)
         return sdpa(q, k_all, v_all, mask, causal)
 
-    def _bf16(self, q: torch.Tensor) -> bool:
-        return self.bf16_prompt and q.dtype == torch.float32 and q.device.type == "cpu"
+    def _kernel(self, q: torch.Tensor) -> bool:
+        return self.prompt_kernel is not None and q.dtype == torch.float32 and q.device.type == "cpu"
 
-    def _bf16_attend(self, q, k, v, offset: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kernel_attend(self, q, k, v, offset: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries (t, H, hd) over keys and values (n_kv, L, hd), query i over keys 0 .. offset + i
         (offset < 0: all; window > 0: the last `window` of them): (output (t, H, hd), log-sum-exp
-        (t, H)), float32 sums over bfloat16 products (kernels.attention_bf16). The scale is sdpa's:
-        a custom one is folded into q."""
-        return kernels.attention_bf16(q, k.float(), v.float(), offset, self.head_dim ** -0.5, window)
+        (t, H)), float32 sums (kernels.attention_bf16 over bfloat16 products, or attention_f32).
+        The scale is sdpa's: a custom one is folded into q."""
+        attend = kernels.attention_bf16 if self.prompt_kernel == "bf16" else kernels.attention_f32
+        return attend(q, k.float(), v.float(), offset, self.head_dim ** -0.5, window)
 
     def _attend_window(self, q, k_all, v_all, rowwise: bool, offset: int = 0) -> torch.Tensor:
         """Query i (position P-t+i, P = offset + L) over keys p with P-t+i - window < p <= P-t+i
@@ -297,8 +300,8 @@ class Attention(nn.Module):
             return torch.cat(rows)
         if end - w <= first:      # every query sees every key from `first` on: plain causal attention
             return self._attend_causal(q, k_all, v_all)
-        if self._bf16(q):         # one call: key j is position first + j; query i sees its window of them
-            return self._bf16_attend(q, k_all, v_all, end - t - first, w)[0]
+        if self._kernel(q):       # one call: key j is position first + j; query i sees its window of them
+            return self._kernel_attend(q, k_all, v_all, end - t - first, w)[0]
         # Queries in blocks of WINDOW_QUERY_BLOCK rows, each over the keys its rows can see (the
         # block's window: block + w - 1 keys), not the whole chunk's: one masked SDPA over the
         # chunk would compute t x (t + w - 1) scores for t x w that count (5x at t = 2048, w = 512).
@@ -413,12 +416,14 @@ class Block(nn.Module):
         bias = build.bias([p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"], device) \
             if arch.attention_bias else None
         q_norm, k_norm = (norm("attn_q_norm"), norm("attn_k_norm")) if arch.qk_norm else (None, None)
-        # bfloat16 prompt attention where the prompt rows' products are 8-bit already (prompt_math
-        # "int8" on a quantized weight): its error is lost in theirs (SmolLM2's mean KL from the
-        # float64 model 2.98e-3 with it, 3.44e-3 without; docs/kernels.md); float weights keep float32
-        bf16_prompt = self.fused and getattr(wqkv, "prompt_int8", False) and kernels.has_attention_bf16()
+        # localrun's prompt attention where the prompt rows' products are 8-bit already (prompt_math
+        # "int8" on a quantized weight): bfloat16 products where the CPU has them, their error lost
+        # in the 8-bit activations' (SmolLM2's mean KL from the float64 model 2.98e-3 with it,
+        # 3.44e-3 without; docs/kernels.md), else float32 on AVX2; "float32" math and float
+        # weights keep torch's flash attention, the reference
+        prompt_kernel = kernels.prompt_attention_kind() if self.fused and getattr(wqkv, "prompt_int8", False) else None
         self.attention = Attention(config, wqkv, build.linear([p + "attn_output.weight"], device), layer,
-                                   bias, q_norm, k_norm, self.fused, bf16_prompt)
+                                   bias, q_norm, k_norm, self.fused, prompt_kernel)
         self.ffn_norm = norm("ffn_norm")
         self.feed_forward = FeedForward(w13, build.linear([p + "ffn_down.weight"], device), self.fused,
                                         arch.activation)

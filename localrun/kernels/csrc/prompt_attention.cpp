@@ -141,6 +141,11 @@ BF16_TARGET inline void values4(const uint32_t* w, const uint32_t* vp, int64_t p
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + i * D + (c0 + c) * 16, acc[i][c]);
 }
 
+// The n chunks of positions in the order 0, n - 1, 1, n - 2, ...: at::parallel_for gives each
+// thread a contiguous run of tasks, and under a causal mask a chunk's cost grows with its
+// position, so in plain order the last thread got the most work (3/4 of it with 2 threads).
+inline int64_t zigzag(int64_t j, int64_t n) { return j % 2 == 0 ? j / 2 : n - 1 - j / 2; }
+
 struct Call {
     const float* q; float* out; float* lse;
     const uint32_t* kp; const uint32_t* vp;
@@ -258,8 +263,209 @@ std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at:
               T, Hq, Hkv, G, L, D, offset, window, static_cast<float>(scale * 1.4426950408889634)};
     at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; t++) {
-            const int64_t g = t % Hkv, i0 = t / Hkv * positions;
+            const int64_t g = t % Hkv, i0 = zigzag(t / Hkv, chunks) * positions;
             attend_task(call, g, i0, std::min(T, i0 + positions));
+        }
+    });
+    return {out, lse};
+}
+
+// ---- The same attention in float32 with FMA (AVX2 hosts; AVX-512 ones without BF16) ----
+//
+// No rounding of the inputs: the products and sums are float32 throughout, as torch's flash
+// attention computes them (up to summation order and the exp polynomial's 2e-7). Why a kernel,
+// then: on 2 Zen 3 cores torch's flash attention ran gemma-3's prompt at ~54 GFLOP/s (18% of a
+// 512-token prefill) where two FMA pipes give ~190. Keys are packed per call as 8 keys per
+// vector for each dim ([L / 8][D][8], zeros up to a multiple of 16 keys); values are read as stored (a row of D per key). A task is
+// the same as above: one KV head, the grouped query heads of a few positions.
+
+#define F32_TARGET __attribute__((target("avx2,fma")))
+constexpr int64_t RG = 6;      // query rows per register tile: 12 accumulators of 16 (2 x 8 lanes each)
+
+bool f32_allowed() {
+    static const bool allowed = [] {
+        const char* env = std::getenv("LOCALRUN_ISA");
+        const std::string forced = env ? env : "";
+        __builtin_cpu_init();
+        return (forced.empty() || forced == "avx512" || forced == "avx2") && __builtin_cpu_supports("avx2") &&
+               __builtin_cpu_supports("fma");
+    }();
+    return allowed;
+}
+
+// 2^x for x <= 0 (-inf -> 0): 2^n * p(f) as exp2_neg above; n <= -127 gives exactly 0 (the
+// weight of a key 127 binary orders below the row's largest: negligible before it vanishes)
+F32_TARGET inline __m256 exp2_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.6931471805599453f));
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+F32_TARGET inline float reduce_max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+}
+
+F32_TARGET inline float reduce_add8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(a) + _mm_cvtss_f32(_mm_shuffle_ps(a, a, 1));
+}
+
+// Scores of RG query rows (q, stride D) over 16 keys (kb: [2][D][8]), times sc, into s[i][0 .. 16)
+F32_TARGET inline void scores4_f32(const float* q, int64_t D, const float* kb, float* s, float sc) {
+    __m256 acc[RG][2];
+    for (int i = 0; i < RG; i++)
+        for (int c = 0; c < 2; c++) acc[i][c] = _mm256_setzero_ps();
+    const float* k1 = kb + D * 8;
+#pragma GCC unroll 2
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 ka = _mm256_loadu_ps(kb + d * 8), kc = _mm256_loadu_ps(k1 + d * 8);
+        for (int i = 0; i < RG; i++) {
+            const __m256 qb = _mm256_broadcast_ss(q + i * D + d);
+            acc[i][0] = _mm256_fmadd_ps(qb, ka, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(qb, kc, acc[i][1]);
+        }
+    }
+    const __m256 scale = _mm256_set1_ps(sc);
+    for (int i = 0; i < RG; i++)
+        for (int c = 0; c < 2; c++) _mm256_storeu_ps(s + i * KEYS + c * 8, _mm256_mul_ps(acc[i][c], scale));
+}
+
+// o[i][16 dims from d0] += sum over keys t < n of w[i][t] v[t] for RG rows (v: rows of D)
+F32_TARGET inline void values4_f32(const float* w, const float* v, int64_t n, int64_t D, int64_t d0, float* o) {
+    __m256 acc[RG][2];
+    for (int i = 0; i < RG; i++)
+        for (int c = 0; c < 2; c++) acc[i][c] = _mm256_loadu_ps(o + i * D + d0 + 8 * c);
+    for (int64_t t = 0; t < n; t++) {
+        const __m256 v0 = _mm256_loadu_ps(v + t * D + d0), v1 = _mm256_loadu_ps(v + t * D + d0 + 8);
+        for (int i = 0; i < RG; i++) {
+            const __m256 wb = _mm256_broadcast_ss(w + i * KEYS + t);
+            acc[i][0] = _mm256_fmadd_ps(wb, v0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(wb, v1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < RG; i++)
+        for (int c = 0; c < 2; c++) _mm256_storeu_ps(o + i * D + d0 + 8 * c, acc[i][c]);
+}
+
+struct CallF32 {
+    const float* q; float* out; float* lse;
+    const float* kp; const float* v;             // keys packed per head ([L8][D][8]); values (Hkv, L, D)
+    int64_t T, Hq, Hkv, G, L, D, offset, window;
+    float sc;                                    // scale * log2(e)
+};
+
+F32_TARGET void attend_task_f32(const CallF32& a, int64_t g, int64_t i0, int64_t i1) {
+    const int64_t D = a.D, G = a.G, L8 = (a.L + 15) / 16 * 2;
+    const int64_t R = (i1 - i0) * G, RP = (R + RG - 1) / RG * RG;
+    std::vector<float> qr(RP * D, 0.f), o(RP * D, 0.f), s(RP * KEYS), w(RP * KEYS);
+    std::vector<float> m(RP, -std::numeric_limits<float>::infinity()), l(RP, 0.f);
+    std::vector<int64_t> first(RP), last(RP);
+    for (int64_t r = 0; r < RP; r++) {
+        const int64_t i = i0 + std::min(r, R - 1) / G;      // padding rows repeat the last real row
+        last[r] = a.offset < 0 ? a.L - 1 : std::min(a.L - 1, a.offset + i);
+        first[r] = a.window > 0 ? std::max<int64_t>(0, a.offset + i - a.window + 1) : 0;
+        if (r < R) std::memcpy(qr.data() + r * D, a.q + (i * a.Hq + g * G + r % G) * D, D * sizeof(float));
+    }
+    const int64_t end = last[RP - 1] + 1, begin = first[0] / 8 * 8;
+    const float* kp = a.kp + g * L8 * D * 8;
+    const float* vh = a.v + g * a.L * D;
+    for (int64_t k0 = begin; k0 < end; k0 += KEYS) {
+        const int64_t nv = std::min<int64_t>(KEYS / 8, (end - k0 + 7) / 8), nk = nv * 8;
+        const int64_t stored = std::min(nk, a.L - k0);      // the block's keys that exist (the rest weigh 0)
+        // Each pass over the block's keys (16 at a time) or values (16 dims at a time) serves every
+        // row of the task before it moves on, so those stay in L1 across the row groups: a group of
+        // 4 rows alone read each value line once per 8 FMAs, as fast as L2 delivers it.
+        for (int64_t c = 0; c < nv; c += 2)                 // keys packed to a multiple of 16
+            for (int64_t r = 0; r < RP; r += RG)
+                scores4_f32(qr.data() + r * D, D, kp + (k0 / 8 + c) * D * 8, s.data() + r * KEYS + c * 8, a.sc);
+        for (int64_t r = 0; r < RP; r++) {                  // online softmax of the block, row r
+            float* sr = s.data() + r * KEYS;
+            const int64_t seen = std::min(nk, last[r] - k0 + 1);
+            for (int64_t k = std::max<int64_t>(seen, 0); k < nk; k++) sr[k] = -std::numeric_limits<float>::infinity();
+            for (int64_t k = 0; k < std::min(nk, first[r] - k0); k++) sr[k] = -std::numeric_limits<float>::infinity();
+            __m256 mx = _mm256_loadu_ps(sr);
+            for (int64_t c = 1; c < nv; c++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + c * 8));
+            const float m_new = std::max(m[r], reduce_max8(mx));
+            float* wr = w.data() + r * KEYS;
+            if (m_new == -std::numeric_limits<float>::infinity()) {   // nothing seen yet
+                std::memset(wr, 0, KEYS * sizeof(float));
+                continue;
+            }
+            const __m256 mv = _mm256_set1_ps(m_new);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t c = 0; c < nv; c++) {
+                const __m256 p = exp2_neg8(_mm256_sub_ps(_mm256_loadu_ps(sr + c * 8), mv));
+                sum = _mm256_add_ps(sum, p);
+                _mm256_storeu_ps(wr + c * 8, p);
+            }
+            const float alpha = std::exp2(m[r] - m_new);
+            l[r] = l[r] * alpha + reduce_add8(sum);
+            m[r] = m_new;
+            if (alpha != 1.f) {                             // rescale the row's sums to the new maximum
+                const __m256 al = _mm256_set1_ps(alpha);
+                float* orow = o.data() + r * D;
+                for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(_mm256_loadu_ps(orow + d), al));
+            }
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 16)              // D is a multiple of 16
+            for (int64_t r = 0; r < RP; r += RG)
+                values4_f32(w.data() + r * KEYS, vh + k0 * D, stored, D, d0, o.data() + r * D);
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = i0 + r / G, h = g * G + r % G;
+        const float inv = 1.f / l[r];
+        float* dst = a.out + (i * a.Hq + h) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        a.lse[i * a.Hq + h] = (m[r] + std::log2(l[r])) * 0.6931471805599453f;
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 int64_t offset, double scale, int64_t window) {
+    TORCH_CHECK(f32_allowed(), "localrun::attention_f32: this CPU has no AVX2 and FMA (or LOCALRUN_ISA forbids them)");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::attention_f32: q (T, Hq, D), k and v (Hkv, L, D)");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                "localrun::attention_f32: float32 tensors");
+    const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
+    TORCH_CHECK(k.size(2) == D && D % 16 == 0 && D <= 256, "localrun::attention_f32: head size a multiple of 16, at most 256");
+    TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && L > 0, "localrun::attention_f32: query heads a multiple of KV heads, keys > 0");
+    TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), "localrun::attention_f32: a window needs a causal offset");
+    const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    const int64_t L8 = (L + 15) / 16 * 2;                // blocks of 8 keys, an even number of them
+    at::Tensor kp = at::empty({Hkv, L8 * D * 8}, q.options());
+    at::Tensor out = at::empty({T, Hq, D}, q.options()), lse = at::empty({T, Hq}, q.options());
+    float* kpp = kp.data_ptr<float>();
+    const float* kd = kc.data_ptr<float>();
+    at::parallel_for(0, Hkv * L8, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++) {                 // 8 keys of one head, transposed
+            const int64_t g = b / L8, key0 = b % L8 * 8;
+            float* dst = kpp + b * D * 8;
+            for (int64_t j = 0; j < 8; j++) {
+                const float* src = kd + (g * L + key0 + j) * D;
+                for (int64_t d = 0; d < D; d++) dst[d * 8 + j] = key0 + j < L ? src[d] : 0.f;
+            }
+        }
+    });
+    const int64_t G = Hq / Hkv, positions = std::max<int64_t>(1, ROWS / G);
+    const int64_t chunks = (T + positions - 1) / positions;
+    CallF32 call{qc.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(), kpp, vc.data_ptr<float>(),
+                 T, Hq, Hkv, G, L, D, offset, window, static_cast<float>(scale * 1.4426950408889634)};
+    at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t g = t % Hkv, i0 = zigzag(t / Hkv, chunks) * positions;
+            attend_task_f32(call, g, i0, std::min(T, i0 + positions));
         }
     });
     return {out, lse};
@@ -271,8 +477,11 @@ std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at:
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.def("attention_bf16(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0) -> (Tensor, Tensor)");
     m.def("has_attention_bf16() -> bool", [] { return localrun::bf16_allowed(); });
+    m.def("attention_f32(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0) -> (Tensor, Tensor)");
+    m.def("has_attention_f32() -> bool", [] { return localrun::f32_allowed(); });
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
     m.impl("attention_bf16", &localrun::attention_bf16);
+    m.impl("attention_f32", &localrun::attention_f32);
 }
