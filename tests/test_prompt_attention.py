@@ -64,6 +64,7 @@ CASES = [   # T, query heads, KV heads, head size, keys, offset (-1: no mask), w
     (3, 4, 2, 64, 80, 20, 0),           # rows that see only the first keys of the pool
     (300, 4, 1, 256, 300, 0, 37),       # a sliding-window layer's prompt: keys i - 36 .. i
     (90, 4, 2, 128, 150, 60, 100),      # a window over cached keys and the chunk's own
+    (4, 4, 2, 64, 16, 12, 4),           # a window whose first key (9) is past the first 8 of 16
 ]
 
 

@@ -378,7 +378,8 @@ F32_TARGET void attend_task_f32(const CallF32& a, int64_t g, int64_t i0, int64_t
         first[r] = a.window > 0 ? std::max<int64_t>(0, a.offset + i - a.window + 1) : 0;
         if (r < R) std::memcpy(qr.data() + r * D, a.q + (i * a.Hq + g * G + r % G) * D, D * sizeof(float));
     }
-    const int64_t end = last[RP - 1] + 1, begin = first[0] / 8 * 8;
+    // from a multiple of 16 on: the score tiles read 16 keys, and the pool is packed to a multiple of 16
+    const int64_t end = last[RP - 1] + 1, begin = first[0] / 16 * 16;
     const float* kp = a.kp + g * L8 * D * 8;
     const float* vh = a.v + g * a.L * D;
     for (int64_t k0 = begin; k0 < end; k0 += KEYS) {
