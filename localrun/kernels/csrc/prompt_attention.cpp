@@ -6,6 +6,8 @@
 //     log-sum-exp of each row's scaled scores, as torch's flash attention returns them (so the
 //     caller merges partial attentions the same way). Query head h reads KV head h / (Hq / Hkv).
 //   has_attention_bf16() -> bool   whether this CPU has AVX-512 BF16 (and LOCALRUN_ISA allows it)
+//   attention_f32(...), has_attention_f32(): the same in float32 with FMA, nothing rounded (AVX2
+//     hosts; the second half of this file)
 //
 // Why: a prompt chunk over a cached prefix is two matrix products per head (Q.K^T and P.V) at
 // the float32 GEMM's ceiling (~130 GFLOP/s on 2 Zen 4 cores, torch's flash attention the same),
