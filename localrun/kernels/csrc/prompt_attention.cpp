@@ -148,6 +148,44 @@ BF16_TARGET inline void values4(const uint32_t* w, const uint32_t* vp, int64_t p
 // position, so in plain order the last thread got the most work (3/4 of it with 2 threads).
 inline int64_t zigzag(int64_t j, int64_t n) { return j % 2 == 0 ? j / 2 : n - 1 - j / 2; }
 
+// The checks both kernels make, in one sentence each (head sizes a multiple of `step`)
+void check_args(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t step,
+                int64_t offset, int64_t window) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), name, ": q (T, Hq, D), k and v (Hkv, L, D)");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                name, ": float32 tensors");
+    TORCH_CHECK(k.size(2) == q.size(2) && q.size(2) % step == 0 && q.size(2) <= 256, name, ": head size a multiple of ",
+                step, ", at most 256");
+    TORCH_CHECK(k.size(0) > 0 && q.size(1) % k.size(0) == 0 && k.size(1) > 0, name,
+                ": query heads a multiple of KV heads, keys > 0");
+    TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), name, ": a window needs a causal offset");
+}
+
+// Every task of a call on the threads: task(g, i0, i1) for KV head g and positions i0 .. i1 - 1,
+// ROWS rows a task (positions x the G query heads of a KV head), chunks in zigzag order
+template <typename F>
+void for_each_task(int64_t T, int64_t Hkv, int64_t G, F&& task) {
+    const int64_t positions = std::max<int64_t>(1, ROWS / G), chunks = (T + positions - 1) / positions;
+    at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t g = t % Hkv, i0 = zigzag(t / Hkv, chunks) * positions;
+            task(g, i0, std::min(T, i0 + positions));
+        }
+    });
+}
+
+// A task's R rows (position i0 + r / G, query head g * G + r % G): out = o / l, lse = ln(2^m l)
+void finish_rows(float* out, float* lse, const float* o, const float* m, const float* l, int64_t R, int64_t G,
+                 int64_t i0, int64_t g, int64_t Hq, int64_t D) {
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = i0 + r / G, h = g * G + r % G;
+        const float inv = 1.f / l[r];
+        float* dst = out + (i * Hq + h) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        lse[i * Hq + h] = (m[r] + std::log2(l[r])) * 0.6931471805599453f;
+    }
+}
+
 struct Call {
     const float* q; float* out; float* lse;
     const uint32_t* kp; const uint32_t* vp;
@@ -225,25 +263,14 @@ BF16_TARGET void attend_task(const Call& a, int64_t g, int64_t i0, int64_t i1) {
                 values4(w.data() + r * (KEYS / 2), vp + k0 / 2 * C * 16, nk / 2, C, c0, o.data() + r * D, D);
         }
     }
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t i = i0 + r / G, h = g * G + r % G;
-        const float inv = 1.f / l[r];
-        float* dst = a.out + (i * a.Hq + h) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
-        a.lse[i * a.Hq + h] = (m[r] + std::log2(l[r])) * 0.6931471805599453f;
-    }
+    finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, i0, g, a.Hq, D);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   int64_t offset, double scale, int64_t window) {
     TORCH_CHECK(bf16_allowed(), "localrun::attention_bf16: this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)");
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::attention_bf16: q (T, Hq, D), k and v (Hkv, L, D)");
-    TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-                "localrun::attention_bf16: float32 tensors");
+    check_args("localrun::attention_bf16", q, k, v, 64, offset, window);
     const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
-    TORCH_CHECK(k.size(2) == D && D % 64 == 0 && D <= 256, "localrun::attention_bf16: head size a multiple of 64, at most 256");
-    TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && L > 0, "localrun::attention_bf16: query heads a multiple of KV heads, keys > 0");
-    TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), "localrun::attention_bf16: a window needs a causal offset");
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     const int64_t L16 = (L + 15) / 16;
     at::Tensor kp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt), vp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt);
@@ -259,16 +286,10 @@ std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at:
                        vpp + g * L16 * 16 * D / 2);
         }
     });
-    const int64_t G = Hq / Hkv, positions = std::max<int64_t>(1, ROWS / G);
-    const int64_t chunks = (T + positions - 1) / positions;
+    const int64_t G = Hq / Hkv;
     Call call{qc.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(), kpp, vpp,
               T, Hq, Hkv, G, L, D, offset, window, static_cast<float>(scale * 1.4426950408889634)};
-    at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) {
-            const int64_t g = t % Hkv, i0 = zigzag(t / Hkv, chunks) * positions;
-            attend_task(call, g, i0, std::min(T, i0 + positions));
-        }
-    });
+    for_each_task(T, Hkv, G, [&](int64_t g, int64_t i0, int64_t i1) { attend_task(call, g, i0, i1); });
     return {out, lse};
 }
 
@@ -426,25 +447,14 @@ F32_TARGET void attend_task_f32(const CallF32& a, int64_t g, int64_t i0, int64_t
             for (int64_t r = 0; r < RP; r += RG)
                 values4_f32(w.data() + r * KEYS, vh + k0 * D, stored, D, d0, o.data() + r * D);
     }
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t i = i0 + r / G, h = g * G + r % G;
-        const float inv = 1.f / l[r];
-        float* dst = a.out + (i * a.Hq + h) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
-        a.lse[i * a.Hq + h] = (m[r] + std::log2(l[r])) * 0.6931471805599453f;
-    }
+    finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, i0, g, a.Hq, D);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  int64_t offset, double scale, int64_t window) {
     TORCH_CHECK(f32_allowed(), "localrun::attention_f32: this CPU has no AVX2 and FMA (or LOCALRUN_ISA forbids them)");
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::attention_f32: q (T, Hq, D), k and v (Hkv, L, D)");
-    TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-                "localrun::attention_f32: float32 tensors");
+    check_args("localrun::attention_f32", q, k, v, 16, offset, window);
     const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
-    TORCH_CHECK(k.size(2) == D && D % 16 == 0 && D <= 256, "localrun::attention_f32: head size a multiple of 16, at most 256");
-    TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && L > 0, "localrun::attention_f32: query heads a multiple of KV heads, keys > 0");
-    TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), "localrun::attention_f32: a window needs a causal offset");
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     const int64_t L8 = (L + 15) / 16 * 2;                // blocks of 8 keys, an even number of them
     at::Tensor kp = at::empty({Hkv, L8 * D * 8}, q.options());
@@ -461,16 +471,10 @@ std::tuple<at::Tensor, at::Tensor> attention_f32(const at::Tensor& q, const at::
             }
         }
     });
-    const int64_t G = Hq / Hkv, positions = std::max<int64_t>(1, ROWS / G);
-    const int64_t chunks = (T + positions - 1) / positions;
+    const int64_t G = Hq / Hkv;
     CallF32 call{qc.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(), kpp, vc.data_ptr<float>(),
                  T, Hq, Hkv, G, L, D, offset, window, static_cast<float>(scale * 1.4426950408889634)};
-    at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) {
-            const int64_t g = t % Hkv, i0 = zigzag(t / Hkv, chunks) * positions;
-            attend_task_f32(call, g, i0, std::min(T, i0 + positions));
-        }
-    });
+    for_each_task(T, Hkv, G, [&](int64_t g, int64_t i0, int64_t i1) { attend_task_f32(call, g, i0, i1); });
     return {out, lse};
 }
 
