@@ -34,8 +34,6 @@
 #include <string>
 #include <vector>
 
-#include "vec8.h"
-
 namespace localrun {
 namespace {
 
@@ -335,6 +333,18 @@ F32_TARGET inline __m256 exp2_neg8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+F32_TARGET inline float reduce_max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+}
+
+F32_TARGET inline float reduce_add8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(a) + _mm_cvtss_f32(_mm_shuffle_ps(a, a, 1));
+}
+
 // Scores of RG query rows (q, stride D) over 16 keys (kb: [2][D][8]), times sc, into s[i][0 .. 16)
 F32_TARGET inline void scores4_f32(const float* q, int64_t D, const float* kb, float* s, float sc) {
     __m256 acc[RG][2];
@@ -411,7 +421,7 @@ F32_TARGET void attend_task_f32(const CallF32& a, int64_t g, int64_t i0, int64_t
             for (int64_t k = 0; k < std::min(nk, first[r] - k0); k++) sr[k] = -std::numeric_limits<float>::infinity();
             __m256 mx = _mm256_loadu_ps(sr);
             for (int64_t c = 1; c < nv; c++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + c * 8));
-            const float m_new = std::max(m[r], max8((v8)mx));
+            const float m_new = std::max(m[r], reduce_max8(mx));
             float* wr = w.data() + r * KEYS;
             if (m_new == -std::numeric_limits<float>::infinity()) {   // nothing seen yet
                 std::memset(wr, 0, KEYS * sizeof(float));
@@ -425,7 +435,7 @@ F32_TARGET void attend_task_f32(const CallF32& a, int64_t g, int64_t i0, int64_t
                 _mm256_storeu_ps(wr + c * 8, p);
             }
             const float alpha = std::exp2(m[r] - m_new);
-            l[r] = l[r] * alpha + hsum8((v8)sum);
+            l[r] = l[r] * alpha + reduce_add8(sum);
             m[r] = m_new;
             if (alpha != 1.f) {                             // rescale the row's sums to the new maximum
                 const __m256 al = _mm256_set1_ps(alpha);
