@@ -82,6 +82,7 @@ class Calibration:
     host_attention_flops: float | None = None    # flop/s of prompt attention after cached tokens (engine calibration)
     host_causal_attention_flops: float | None = None  # and from an empty cache (engine calibration)
     other_cpu: float | None = None   # cores other processes kept busy while measuring (None: not measurable)
+    host_kv_cached_bytes: float | None = None  # KV bytes a decode step reads from the CPU's caches (engine calibration)
 
     @property
     def load_note(self) -> str:
@@ -362,6 +363,7 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                                      else calibration.host_layer_overhead_s),
                    step_overhead_s=calibration.host_step_overhead_s or 0.0,
                    kv_bandwidth=calibration.host_kv_bandwidth or 0.0,
+                   kv_cached_bytes=calibration.host_kv_cached_bytes or 0.0,
                    decode_flops=calibration.host_decode_flops or 0.0,
                    unpack_bandwidth=calibration.host_unpack_bandwidth or 0.0,
                    attention_flops=calibration.host_attention_flops or 0.0,

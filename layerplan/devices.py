@@ -19,6 +19,8 @@ class Device:
     matmul_overhead_s: float = 0.0 # fixed cost of one matmul call (kernel launch, primitive set-up)
     step_overhead_s: float = 0.0   # host only: fixed cost of one forward step (embedding, sampling, Python)
     kv_bandwidth: float = 0.0      # bytes/s attention reads the KV cache at; 0: memory_bandwidth
+    kv_cached_bytes: float = 0.0   # KV bytes a step reads that the device's caches hold from one step to the
+                                   # next (read at no cost; only a step's KV beyond them at kv_bandwidth)
     decode_flops: float = 0.0      # matmul flop/s over the few rows of a decode step (and the output head),
                                    # whose kernels compute row by row; 0: compute_flops
     unpack_bandwidth: float = 0.0  # bytes/s at which a prompt step unpacks quantized weights for its GEMM

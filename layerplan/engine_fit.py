@@ -1,7 +1,7 @@
 """The host's figures from timings of localrun's engine, fitted through layerplan's own speed model.
 
 localrun/calibrate_engine.py times the engine on the model's own file (decode steps at two depths,
-two batch sizes and two cache fills; prompt steps from an empty cache of several sizes and of one
+two batch sizes and three cache fills; prompt steps from an empty cache of several sizes and of one
 size split into `batch` prompts, and one after a cached prefix); this module finds the figures of the host `Device` that make the speed model
 (layerplan.speed.step_seconds) reproduce those timings. The decode figures come one by one, each
 from a difference of timings that, in the model, depends only on it and on the figures found
@@ -12,7 +12,11 @@ before it (bisection on the model, which is monotone in each):
      cores where one sequence reads its cache at ~17 (four rows over 2060 cached tokens are
      split over the threads otherwise than one long row), and every one-sequence step over a
      long context was predicted 1.2x too slow (docs/layerplan.md); the batch's long timing is
-     now a residual the fit does not chase;
+     now a residual the fit does not chase. A third, longer fill gives the KV bytes a step reads
+     at no cost because the CPU's caches hold them between steps (`_fit_kv`): on a 2-core Zen 3
+     (32 MB L3) one sequence's step cost the same at 32 and 1024 cached tokens of SmolLM2 and
+     2-4 us per token more past that, so one bandwidth fitted on 44 and 2060 tokens predicted
+     4096 tokens 1.5x too fast;
   2. decode flop/s: `batch` sequences against one, at the short fill (their decode rows' matmuls
      and the head's rows differ; attention by the bandwidth just found);
   3. per-layer overhead (with every matmul call's fixed cost): one sequence through all layers
@@ -45,7 +49,7 @@ from layerplan.devices import Device, Machine
 from layerplan.model_profile import ModelProfile
 from layerplan.placement import place
 from layerplan.settings import PlanSettings
-from layerplan.speed import step_seconds
+from layerplan.speed import step_kv_bytes, step_seconds
 
 RATE_RANGE = (1e6, 1e16)      # bytes/s or flop/s the bisection searches in
 UNSEEN_RATE = RATE_RANGE[1] / 10  # a rate fitted this high: its cost did not show in the timings
@@ -69,6 +73,8 @@ class EngineTimings:
     prefill_split_s: float           # seconds of one step prefilling `batch` prompts of attention_tokens / batch
     prefill_cached_s: float          # seconds of the step of attention_tokens new tokens after as many cached
     decode_long_s: float | None = None   # one sequence, long fill, all layers (None: a calibration from before it)
+    fill_longer: float | None = None     # a third fill, past the long one (None: not timed)
+    decode_longer_s: float | None = None  # one sequence, the third fill, all layers
 
 
 def _solve_rate(seconds_at, target: float, unseen: float) -> float:
@@ -97,6 +103,12 @@ class _Model:
     def decode(self, host: Device, n_seqs: int, fill: float, n_layers: int | None = None) -> float:
         return self._step(host, ((1, fill),) * n_seqs, n_seqs, True, n_layers)
 
+    def decode_kv_bytes(self, host: Device, n_seqs: int, fill: float) -> float:
+        """KV bytes a decode step of n_seqs sequences at `fill` reads (all layers)."""
+        profile, settings, placement = self._layout(host, None, n_seqs)
+        return step_kv_bytes(profile, Machine(gpus=(), host=host), placement, settings, ((1, fill),) * n_seqs,
+                             decode=True)
+
     def prefill(self, host: Device, n_tokens: int, n_cached: int = 0, n_prompts: int = 1) -> float:
         """One prompt step: n_prompts prompts of n_tokens / n_prompts each, after n_cached cached tokens."""
         return self._step(host, ((n_tokens // n_prompts, n_cached),) * n_prompts, n_prompts, False, None)
@@ -121,7 +133,7 @@ class _Model:
 
 def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings) -> Device:
     """`host` with the figures that make the speed model reproduce the engine timings `t`:
-    kv_bandwidth, decode_flops, layer_overhead_s, step_overhead_s, unpack_bandwidth, compute_flops,
+    kv_bandwidth, kv_cached_bytes, decode_flops, layer_overhead_s, step_overhead_s, unpack_bandwidth, compute_flops,
     causal_attention_flops and attention_flops (its memory bandwidth stays as given).
 
     The matmul overhead goes to zero: the engine runs the same matmuls in every layer, so the fixed
@@ -138,15 +150,9 @@ def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings
 
 
 def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
-    # 1. attention: only the cache fill differs between the two timings of one sequence (of the
-    #    batch in a calibration without the one-sequence one)
-    rows, long_s, short_s = ((1, t.decode_long_s, t.decode_short_s) if t.decode_long_s is not None
-                             else (t.batch, t.decode_batch_long_s, t.decode_batch_s))
-
-    def fill_cost(kv_bandwidth):
-        x = replace(h, kv_bandwidth=kv_bandwidth)
-        return m.decode(x, rows, t.fill_long) - m.decode(x, rows, t.fill_short)
-    h = replace(h, kv_bandwidth=_solve_rate(fill_cost, long_s - short_s, h.kv_bandwidth))
+    # 1. attention: only the cache fill differs between the timings of one sequence (of the batch
+    #    in a calibration without the one-sequence one)
+    h = _fit_kv(m, h, t)
 
     # 2. decode rows: `batch` sequences against one at the same fill (per-layer and per-step costs cancel)
     def rows_cost(decode_flops):
@@ -182,6 +188,45 @@ def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
         if rates[name] >= UNSEEN_RATE:
             rates[name] = 0.0
     return replace(h, **rates)
+
+
+def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
+    """kv_bandwidth and kv_cached_bytes from the decode timings at two or three cache fills.
+
+    With three fills (short, long, longer) of one sequence, the step's KV bytes B at each and the
+    time each adds over the short fill (d1, d2): a cache that holds C bytes between steps makes
+    the long fill cost (B1 - C) / bandwidth and the longer (B2 - C) / bandwidth, so bandwidth =
+    (B2 - B1) / (d2 - d1) and C = B1 - d1 * bandwidth (within 0..B1: a C below the short fill's
+    bytes cannot be told from 0, and a long fill that cost nothing says only that C >= B1). The
+    bandwidth is then solved on the model at that C from the longer fill, so the model's own
+    roofline (attention's flops) is respected. With two fills (or timings where the longer fill
+    is not the dearer: noise), C stays 0 and the bandwidth comes from the long fill, as before."""
+    if t.decode_long_s is None:
+        rows, long_s, short_s = t.batch, t.decode_batch_long_s, t.decode_batch_s
+    else:
+        rows, long_s, short_s = 1, t.decode_long_s, t.decode_short_s
+
+    def fill_cost(x: Device, fill: float) -> float:
+        return m.decode(x, rows, fill) - m.decode(x, rows, t.fill_short)
+
+    def bandwidth(x: Device, fill: float, target: float) -> Device:
+        return replace(x, kv_bandwidth=_solve_rate(lambda bw: fill_cost(replace(x, kv_bandwidth=bw), fill), target,
+                                                   x.kv_bandwidth))
+    h = replace(h, kv_cached_bytes=0.0)
+    if t.decode_long_s is None or t.decode_longer_s is None or not t.fill_longer:
+        return bandwidth(h, t.fill_long, long_s - short_s)
+    b1, b2 = (m.decode_kv_bytes(h, 1, f) for f in (t.fill_long, t.fill_longer))
+    d1, d2 = long_s - short_s, t.decode_longer_s - short_s
+    if not (d2 > max(d1, 0.0) and b2 > b1):
+        return bandwidth(h, t.fill_long, d1)
+    cached = min(b1, max(0.0, b1 - d1 * (b2 - b1) / (d2 - d1)))
+    for _ in range(20):   # the same through the model (its attention may be bound by flops at some fill)
+        h = bandwidth(replace(h, kv_cached_bytes=cached), t.fill_longer, d2)
+        step = (fill_cost(h, t.fill_long) - d1) * h.kv_bandwidth     # a C too low makes the long fill too dear
+        cached, before = min(b1, max(0.0, cached + step)), cached
+        if abs(cached - before) <= 1e-9 * b1:
+            break
+    return bandwidth(replace(h, kv_cached_bytes=cached), t.fill_longer, d2)
 
 
 def _solve_logs(seconds_of, measured: list[float], start: list[float], iterations: int = 200) -> list[float]:
@@ -249,6 +294,8 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
             "decode_batch": t.decode_batch_s / m.decode(host, t.batch, t.fill_short),
             "decode_batch_long": t.decode_batch_long_s / m.decode(host, t.batch, t.fill_long),
             **({"decode_long": t.decode_long_s / m.decode(host, 1, t.fill_long)} if t.decode_long_s is not None else {}),
+            **({"decode_longer": t.decode_longer_s / m.decode(host, 1, t.fill_longer)}
+               if t.decode_longer_s is not None and t.fill_longer else {}),
             **{f"prefill_{n}": s / m.prefill(host, n) for n, s in zip(t.prompt_tokens, t.prefill_s)},
             "prefill_split": t.prefill_split_s / m.prefill(host, t.attention_tokens, n_prompts=t.batch),
             "prefill_cached": t.prefill_cached_s / m.prefill(host, t.attention_tokens, t.attention_tokens)}

@@ -117,6 +117,8 @@ class _Step:
         per_device = [0.0] * len(devices)
         host = devices[-1]
         previous = host  # the token embedding lookup runs in host memory
+        attention = [self._layer_attention(il, layer, entries, decode) for il, layer in enumerate(profile.layers)]
+        read_share = self._kv_read_share(attention)
         for il, layer in enumerate(profile.layers):
             device, kv_device = devices[placement.layer_devices[il]], devices[placement.kv_devices[il]]
             per_device[placement.layer_devices[il]] += _transfer_s(previous, device, n_tokens * profile.d_model * F32)
@@ -131,15 +133,8 @@ class _Step:
                             + layer.n_expert_matmuls * expert_device.matmul_overhead_s)
                 per_device[expert_index] += expert_s
                 matmul_s -= layer.n_expert_matmuls * device.matmul_overhead_s  # counted where they run
-            a_bytes, flops_s = 0.0, 0.0
-            masked_rate = kv_device.attention_flops or kv_device.compute_flops
-            causal_rate = kv_device.causal_attention_flops or masked_rate
-            for n_queries, n_cached in entries:
-                parts = ((n_cached, False),) if decode else chunk_parts(n_cached, n_queries, layer.sliding_window)
-                for i, (keys, causal) in enumerate(parts):
-                    b, f = _attention(layer, self.kv_per_token[il], n_queries, keys, 1)
-                    a_bytes += b if i == 0 else 0.0     # the chunk's own keys are read with the cached ones
-                    flops_s += f / (causal_rate if causal else masked_rate)
+            a_bytes, flops_s = attention[il]
+            a_bytes *= read_share[placement.kv_devices[il]]
             attention_s = max(a_bytes / (kv_device.kv_bandwidth or kv_device.memory_bandwidth), flops_s)
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
                 q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
@@ -159,6 +154,30 @@ class _Step:
             per_device[-1] += _transfer_s(previous, host, 0)
         per_device[-1] += host.step_overhead_s
         return sum(per_device), per_device
+
+    def _layer_attention(self, il: int, layer: LayerProfile, entries, decode: bool) -> tuple[float, float]:
+        """(KV bytes read, seconds of its flops) of layer il's attention in a step of `entries`."""
+        kv_device = self.devices[self.placement.kv_devices[il]]
+        masked_rate = kv_device.attention_flops or kv_device.compute_flops
+        causal_rate = kv_device.causal_attention_flops or masked_rate
+        a_bytes, flops_s = 0.0, 0.0
+        for n_queries, n_cached in entries:
+            parts = ((n_cached, False),) if decode else chunk_parts(n_cached, n_queries, layer.sliding_window)
+            for i, (keys, causal) in enumerate(parts):
+                b, f = _attention(layer, self.kv_per_token[il], n_queries, keys, 1)
+                a_bytes += b if i == 0 else 0.0     # the chunk's own keys are read with the cached ones
+                flops_s += f / (causal_rate if causal else masked_rate)
+        return a_bytes, flops_s
+
+    def _kv_read_share(self, attention: list[tuple[float, float]]) -> list[float]:
+        """Per device, the share of the step's KV bytes it reads from memory: those beyond what its
+        caches keep between steps (kv_cached_bytes), spread over its layers by their bytes. On a
+        2-core Zen 3 (32 MB L3) one sequence's decode step cost the same at 32 and 1024 cached tokens
+        (23.6 MB of SmolLM2's f16 KV) and 2-4 us more per token past it (docs/layerplan.md)."""
+        total = [0.0] * len(self.devices)
+        for il, (a_bytes, _) in enumerate(attention):
+            total[self.placement.kv_devices[il]] += a_bytes
+        return [max(0.0, t - d.kv_cached_bytes) / t if t > 0 else 1.0 for t, d in zip(total, self.devices)]
 
     def _matmul_s(self, device: Device, w_bytes: float, w_flops: float, n_tokens: int, decode: bool) -> float:
         """Roofline of matmuls on `device` (decode rows at its decode rate; a prompt chunk at its GEMM
@@ -180,6 +199,13 @@ def step_seconds(profile: ModelProfile, machine: Machine, placement: Placement, 
     one new token per sequence (decode rows) reading n_cached tokens, else prompt chunks after
     n_cached cached tokens; n_logits rows through the head."""
     return _Step(profile, machine, placement, settings).entries_seconds(tuple(entries), n_logits, decode)[0]
+
+
+def step_kv_bytes(profile: ModelProfile, machine: Machine, placement: Placement, settings: PlanSettings,
+                  entries: tuple[tuple[int, float], ...], *, decode: bool) -> float:
+    """KV bytes one step of `entries` (as step_seconds takes them) reads over all its layers."""
+    step = _Step(profile, machine, placement, settings)
+    return sum(step._layer_attention(il, layer, tuple(entries), decode)[0] for il, layer in enumerate(profile.layers))
 
 
 def chunk_parts(n_cached: int, n_new: int, window: int | None = None) -> tuple[tuple[float, bool], ...]:

@@ -8,7 +8,8 @@ GGUF file the way the engine builds it (`localrun.LLM`, at the thread count it w
 times the engine's own steps (`engine.step()`, one by one):
 
 - decode steps of one sequence at a short cache fill, through the model's first layers (and its
-  head) and through all of them, and at a long fill, on engines built for one sequence;
+  head) and through all of them, and at a long and a longer fill (what the CPU's caches keep of
+  the KV cache between steps, and the bandwidth past them), on engines built for one sequence;
 - decode steps of BATCH sequences at the short fill and at a long one;
 - the single prompt step of prompts of several sizes from an empty cache, of ATTENTION_TOKENS
   tokens as BATCH prompts, and of ATTENTION_TOKENS tokens after as many cached ones (a
@@ -39,7 +40,8 @@ import time
 from dataclasses import dataclass, replace
 
 FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up), w2
-SHORT_FILL, LONG_FILL = 32, 2048   # prompt tokens before the timed decode steps (within the trained context)
+SHORT_FILL, LONG_FILL, LONGER_FILL = 32, 2048, 4096   # prompt tokens before the timed decode steps (within the
+                                                      # trained context); the longer one on one sequence only
 BATCH = 4                     # sequences in the batched decode timings
 PROMPT_SIZES = (128, 384, 1024, 1536)   # prompts whose single prefill step is timed (within a short context)
 ATTENTION_TOKENS = 1024       # prompt tokens of the two attention timings
@@ -189,6 +191,7 @@ def measure_timings(path, threads: int | None = None):
     n_short = max(1, n_layers // 3)
     room = profile.n_ctx_train - DECODE_STEPS - 16              # the engines stay within the trained context
     long_fill = max(SHORT_FILL * 2, min(LONG_FILL, room))
+    longer_fill = min(LONGER_FILL, room) if min(LONGER_FILL, room) >= 1.5 * long_fill else None
     n = min(ATTENTION_TOKENS, room // 2)                        # the cached timing holds twice as many
     n -= n % BATCH
     sizes = tuple(sorted({max(1, min(size, n * size // ATTENTION_TOKENS)) for size in PROMPT_SIZES}))  # one step each
@@ -201,23 +204,24 @@ def measure_timings(path, threads: int | None = None):
     shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)
     taken.append(shallow.decode(1, SHORT_FILL))
     del shallow
-    single = _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads)
-    for fill in (SHORT_FILL, long_fill):
-        taken.append(single.decode(1, fill))
+    single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
+    for fill in (SHORT_FILL, long_fill, longer_fill):
+        taken.append(single.decode(1, fill) if fill else ((None,), None, True))
     del single
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
     for n_seqs, fill in ((BATCH, SHORT_FILL), (BATCH, long_fill)):
         taken.append(full.decode(n_seqs, fill))
     taken.append(full.prefill(sizes, n))
     kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
-    (shallow_s,), (short_s,), (long_s,), (batch_s,), (batch_long_s,), (*prefill_s, split_s, cached_s) = (
+    (shallow_s,), (short_s,), (long_s,), (longer_s,), (batch_s,), (batch_long_s,), (*prefill_s, split_s, cached_s) = (
         t[0] for t in taken)
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
                             fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
                             decode_batch_s=batch_s, decode_batch_long_s=batch_long_s, prompt_tokens=sizes,
                             prefill_s=tuple(prefill_s), attention_tokens=n, prefill_split_s=split_s,
-                            prefill_cached_s=cached_s, decode_long_s=long_s)
+                            prefill_cached_s=cached_s, decode_long_s=long_s,
+                            fill_longer=longer_fill + middle if longer_fill else None, decode_longer_s=longer_s)
     others = [t[1] for t in taken if t[1] is not None]
     return timings, kv_type, max(others) if others else None, all(t[2] for t in taken)
 
@@ -280,7 +284,8 @@ def measure_engine(path, calibration, threads: int | None = None):
         calibration,
         host_layer_overhead_s=fitted.layer_overhead_s, host_step_overhead_s=fitted.step_overhead_s,
         host_matmul_overhead_s=fitted.matmul_overhead_s,
-        host_kv_bandwidth=fitted.kv_bandwidth, host_decode_flops=fitted.decode_flops,
+        host_kv_bandwidth=fitted.kv_bandwidth, host_kv_cached_bytes=fitted.kv_cached_bytes,
+        host_decode_flops=fitted.decode_flops,
         host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
@@ -289,6 +294,7 @@ def measure_engine(path, calibration, threads: int | None = None):
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "
                       + (f"{t.decode_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached, " if t.decode_long_s else "")
+                      + (f"{t.decode_longer_s * 1e3:.2f} ms at {t.fill_longer:.0f} cached, " if t.decode_longer_s else "")
                       + f"{t.decode_batch_s * 1e3:.2f} ms for {t.batch} "
                       f"sequences, {t.decode_batch_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached; prompt steps "
                       + ", ".join(f"{s * 1e3:.0f} ms for {n} tokens" for n, s in zip(t.prompt_tokens, t.prefill_s))

@@ -25,6 +25,7 @@ def _toy(n_layers: int = 12) -> ModelProfile:
 
 TRUE_HOST = Device("CPU", "cpu", 1 << 34, 1 << 34, memory_bandwidth=30e9, compute_flops=250e9,
                    matmul_overhead_s=10e-6, layer_overhead_s=150e-6, step_overhead_s=4e-3, kv_bandwidth=9e9,
+                   kv_cached_bytes=3e6,
                    decode_flops=80e9, unpack_bandwidth=0.5e9, attention_flops=150e9, causal_attention_flops=300e9)
 
 
@@ -35,7 +36,8 @@ def _timings(profile: ModelProfile, host: Device, kv_type: str = "f16") -> Engin
                          decode_batch_s=m.decode(host, 4, 40.0), decode_batch_long_s=m.decode(host, 4, 1040.0),
                          prompt_tokens=(128, 384, 1024), prefill_s=tuple(m.prefill(host, n) for n in (128, 384, 1024)),
                          attention_tokens=1024, prefill_split_s=m.prefill(host, 1024, n_prompts=4),
-                         prefill_cached_s=m.prefill(host, 1024, 1024), decode_long_s=m.decode(host, 1, 1040.0))
+                         prefill_cached_s=m.prefill(host, 1024, 1024), decode_long_s=m.decode(host, 1, 1040.0),
+                         fill_longer=2080.0, decode_longer_s=m.decode(host, 1, 2080.0))
 
 
 def test_timings_the_model_predicts_give_back_their_figures():
@@ -44,7 +46,7 @@ def test_timings_the_model_predicts_give_back_their_figures():
                     unpack_bandwidth=0.0, attention_flops=0.0, causal_attention_flops=0.0,
                     compute_flops=100e9)   # what the micro-benchmarks knew
     fitted = fit_host(profile, start, "f16", _timings(profile, TRUE_HOST))
-    for name in ("kv_bandwidth", "decode_flops", "compute_flops", "unpack_bandwidth", "attention_flops",
+    for name in ("kv_bandwidth", "kv_cached_bytes", "decode_flops", "compute_flops", "unpack_bandwidth", "attention_flops",
                  "causal_attention_flops"):
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE_HOST, name), rel=1e-3), name
     # each call's fixed cost moves into the layer's (4 matmuls) and the step's (the head's one)
@@ -79,12 +81,13 @@ def test_no_unpacking_cost_is_found_where_there_is_none():
 def test_noise_never_gives_a_negative_cost_nor_an_infinite_rate():
     profile = _toy()
     # the shallow stack slower than the whole one, the long fill faster than the short, 4 rows as fast as 1
-    t = replace(_timings(profile, TRUE_HOST), decode_short_shallow_s=1.0, decode_batch_long_s=0.001, decode_long_s=0.001)
+    t = replace(_timings(profile, TRUE_HOST), decode_short_shallow_s=1.0, decode_batch_long_s=0.001, decode_long_s=0.001,
+                decode_longer_s=0.001)
     t = replace(t, decode_batch_s=t.decode_short_s)
     start = replace(TRUE_HOST, kv_bandwidth=7e9, decode_flops=0.0)
     fitted = fit_host(profile, start, "f16", t)
     assert fitted.layer_overhead_s == 0.0 and fitted.step_overhead_s >= 0.0
-    assert (fitted.kv_bandwidth, fitted.decode_flops) == (7e9, 0.0)    # not measurable: the figures given are kept
+    assert (fitted.kv_bandwidth, fitted.kv_cached_bytes, fitted.decode_flops) == (7e9, 0.0, 0.0)    # not measurable: the figures given are kept
     assert 0 < fitted.compute_flops < 1e16
 
 
@@ -169,3 +172,44 @@ def test_the_kv_bandwidth_is_one_sequences_over_a_long_cache():
     assert older.kv_bandwidth < 0.8 * TRUE_HOST.kv_bandwidth
     assert residuals(profile, older, "f16", replace(slow_batch, decode_long_s=None))["decode_batch_long"] == \
         pytest.approx(1.0, rel=1e-3)
+
+
+def _kv_bytes(profile, fill):
+    return _Model(profile, "f16").decode_kv_bytes(TRUE_HOST, 1, fill)
+
+
+def test_kv_within_the_cpus_caches_is_free_and_past_them_costs_the_bandwidth():
+    """By hand: a toy layer's f16 KV is 2 heads x 64 x (k + v) x 2 bytes = 512 bytes a token, 12
+    layers 6144; with 3 MB kept in the caches, a step over 1000 cached tokens (6.1 MB) reads
+    3.1 MB from memory, and one over 400 (2.5 MB) nothing."""
+    profile = _toy()
+    assert _kv_bytes(profile, 1000.0) == pytest.approx(6144 * 1001)
+    host = replace(TRUE_HOST, kv_bandwidth=1e9, attention_flops=1e15)
+    machine, settings, placement = _host_only(profile, host)
+
+    def step(h, fill):
+        return step_seconds(profile, Machine(gpus=(), host=h), placement, settings, ((1, fill),), n_logits=1,
+                            decode=True)
+    nothing_cached = replace(host, kv_cached_bytes=0.0)
+    assert step(host, 1000.0) - step(nothing_cached, 1000.0) == pytest.approx(-3e6 / 1e9, rel=1e-6)
+    attention_flops = 2 * (400 - 40) * 8 * 128 * 12 / 1e15     # a row's q.k and p.v, 8 heads, 12 layers
+    assert step(host, 400.0) - step(host, 40.0) == pytest.approx(attention_flops, rel=1e-6)
+    # at 1000 tokens the bytes bind (3.1 ms), at 400 the flops (nothing is read from memory)
+    assert step(host, 1000.0) - step(host, 400.0) == pytest.approx(
+        (6144 * 1001 - 3e6) / 1e9 - 2 * 400 * 8 * 128 * 12 / 1e15, rel=1e-9)
+
+
+def test_a_long_fill_within_the_caches_puts_what_they_hold_at_its_bytes():
+    """Timings at three fills where the long fill costs nothing over the short one: the caches hold
+    at least its bytes; the fit takes exactly those (the least the timings allow) and the bandwidth
+    from the longer fill, which it then reproduces."""
+    profile = _toy()
+    host = replace(TRUE_HOST, kv_cached_bytes=8e6, attention_flops=1e15)   # past the long fill's 6.4 MB
+    t = _timings(profile, host)
+    fitted = fit_host(profile, replace(host, kv_cached_bytes=0.0), "f16", t)
+    assert fitted.kv_cached_bytes == pytest.approx(_kv_bytes(profile, 1040.0), rel=1e-3)
+    r = residuals(profile, fitted, "f16", t)
+    assert r["decode_longer"] == pytest.approx(1.0, rel=1e-6) and r["decode_long"] == pytest.approx(1.0, rel=1e-6)
+    # without the longer fill, nothing is taken as cached: the bandwidth comes from the long fill
+    older = fit_host(profile, TRUE_HOST, "f16", replace(t, fill_longer=None, decode_longer_s=None))
+    assert older.kv_cached_bytes == 0.0
