@@ -43,10 +43,12 @@ CALIBRATION_FILE = "calibration.json"
 # engine on AVX2 multiplies decode rows in the lane layout, now 0.88-0.92x the rows' step at 4
 # sequences, and the sampler's top-k is one compiled pass; 5: prompt rows go through the integer
 # kernel (prompt_math int8: 1.5-2x the prefill of the float path), and AVX-512 multiplies 9 or more
-# rows 16 lanes per register).
-SPEED_MODEL_REVISION = 5
+# rows 16 lanes per register; 6: decode over a third cache fill, and the KV bytes the CPU's caches
+# hold between steps, free in the model).
+SPEED_MODEL_REVISION = 6
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
+DRIFT_LIMIT = 0.10   # an engine calibration whose first timing, retaken last, moved by more is suspect
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,17 @@ class Calibration:
     host_causal_attention_flops: float | None = None  # and from an empty cache (engine calibration)
     other_cpu: float | None = None   # cores other processes kept busy while measuring (None: not measurable)
     host_kv_cached_bytes: float | None = None  # KV bytes a decode step reads from the CPU's caches (engine calibration)
+    drift: float | None = None       # the engine calibration's first timing retaken last: slower over faster - 1
+
+    @property
+    def suspect_reason(self) -> str:
+        """Why the calibration is suspect, in a few words ('' when it is not)."""
+        if not self.suspect:
+            return ""
+        if self.drift is not None and self.drift > DRIFT_LIMIT:
+            return (f"the machine's speed moved by {self.drift:.0%} while measuring (the same decode step, timed "
+                    "first and last; on a virtual machine, other tenants of its host)")
+        return f"taken under load ({self.load_note})"
 
     @property
     def load_note(self) -> str:

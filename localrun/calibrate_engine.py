@@ -181,7 +181,12 @@ class _Engine:
 
 def measure_timings(path, threads: int | None = None):
     """The engine timings layerplan.engine_fit needs, for the model at `path`, and the quiet
-    record: (EngineTimings, kv_type, others' cores at worst among the timings used, all quiet)."""
+    record: (EngineTimings, kv_type, others' cores at worst among the timings used, all quiet,
+    drift). The first timing (one sequence's decode step at the short fill) is taken again after
+    the other one-sequence ones; drift is the slower of the two over the faster, less one. On a
+    virtual machine the host's other tenants move its speed while our own CPU shows no other
+    work: on a 2-core Zen 3 VM a decode step took 6.7-9.1 ms within minutes with steal at 0.1%
+    (docs/layerplan.md), and a calibration taken across such a move is not this machine's."""
     import layerplan
     from layerplan.engine_fit import EngineTimings
     from localrun.engine.paged_kv import default_kv_type
@@ -207,12 +212,16 @@ def measure_timings(path, threads: int | None = None):
     single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
     for fill in (SHORT_FILL, long_fill, longer_fill):
         taken.append(single.decode(1, fill) if fill else ((None,), None, True))
+    again = single.decode(1, SHORT_FILL)    # the machine's speed may move (other virtual machines on its host)
     del single
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
     for n_seqs, fill in ((BATCH, SHORT_FILL), (BATCH, long_fill)):
         taken.append(full.decode(n_seqs, fill))
     taken.append(full.prefill(sizes, n))
     kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
+    first, last = taken[1][0][0], again[0][0]
+    drift = max(first, last) / min(first, last) - 1.0
+    taken[1] = ((min(first, last),), *taken[1][1:])
     (shallow_s,), (short_s,), (long_s,), (longer_s,), (batch_s,), (batch_long_s,), (*prefill_s, split_s, cached_s) = (
         t[0] for t in taken)
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
@@ -223,7 +232,7 @@ def measure_timings(path, threads: int | None = None):
                             prefill_cached_s=cached_s, decode_long_s=long_s,
                             fill_longer=longer_fill + middle if longer_fill else None, decode_longer_s=longer_s)
     others = [t[1] for t in taken if t[1] is not None]
-    return timings, kv_type, max(others) if others else None, all(t[2] for t in taken)
+    return timings, kv_type, max(others) if others else None, all(t[2] for t in taken), drift
 
 
 def measure_timings_in_new_process(path, threads: int | None = None):
@@ -250,7 +259,7 @@ def read_timings(line: str):
     out = json.loads(line)
     t = out["timings"]
     timings = EngineTimings(**{**t, "prompt_tokens": tuple(t["prompt_tokens"]), "prefill_s": tuple(t["prefill_s"])})
-    return timings, out["kv_type"], out["other_cpu"], out["quiet"]
+    return timings, out["kv_type"], out["other_cpu"], out["quiet"], out.get("drift")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,19 +269,20 @@ def main(argv: list[str] | None = None) -> None:
     from dataclasses import asdict
 
     args = sys.argv[1:] if argv is None else argv
-    timings, kv_type, other_cpu, all_quiet = measure_timings(args[0], int(args[1]) if len(args) > 1 else None)
-    print(json.dumps({"timings": asdict(timings), "kv_type": kv_type, "other_cpu": other_cpu, "quiet": all_quiet}))
+    timings, kv_type, other_cpu, all_quiet, drift = measure_timings(args[0], int(args[1]) if len(args) > 1 else None)
+    print(json.dumps({"timings": asdict(timings), "kv_type": kv_type, "other_cpu": other_cpu, "quiet": all_quiet,
+                      "drift": drift}))
 
 
 def measure_engine(path, calibration, threads: int | None = None):
     """`calibration` (layerplan.calibrate.Calibration of this host) with the engine's own figures
     for the model at `path`, fitted through the speed model (layerplan.engine_fit)."""
     import layerplan
-    from layerplan.calibrate import apply
+    from layerplan.calibrate import DRIFT_LIMIT, apply
     from layerplan.engine_fit import fit_host, residuals
     from layerplan.probe import probe_host
 
-    timings, kv_type, other_cpu, all_quiet = measure_timings_in_new_process(path, threads)
+    timings, kv_type, other_cpu, all_quiet, drift = measure_timings_in_new_process(path, threads)
     profile = engine_profile(path)
     host = apply(layerplan.Machine(gpus=(), host=probe_host()), calibration).host
     fitted = fit_host(profile, host, kv_type, timings)
@@ -289,7 +299,8 @@ def measure_engine(path, calibration, threads: int | None = None):
         host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
-        suspect=calibration.suspect or not all_quiet,
+        suspect=calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT),
+        drift=drift,
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "
@@ -300,7 +311,8 @@ def measure_engine(path, calibration, threads: int | None = None):
                       + ", ".join(f"{s * 1e3:.0f} ms for {n} tokens" for n, s in zip(t.prompt_tokens, t.prefill_s))
                       + f", {t.prefill_split_s * 1e3:.0f} ms for {t.batch} prompts of {t.attention_tokens // t.batch}"
                       f", {t.prefill_cached_s * 1e3:.0f} ms for {t.attention_tokens} after as many cached; "
-                      f"the model reproduces these within {worst:.1%} (worst: {worst_name})"),
+                      f"the model reproduces these within {worst:.1%} (worst: {worst_name})"
+                      + (f"; the first timing, retaken last, moved by {drift:.1%}" if drift is not None else "")),
         backend="engine",
     )
 

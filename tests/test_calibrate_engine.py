@@ -96,3 +96,30 @@ def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsy
     assert machine.host.unpack_bandwidth == (tuned.host_unpack_bandwidth or 0.0)
     # the engine's calls' fixed costs are in its per-layer and per-step figures, not torch's matvec overhead
     assert tuned.host_matmul_overhead_s == 0.0 and machine.host.matmul_overhead_s == 0.0
+
+
+def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_gguf, monkeypatch, capsys):
+    """The first timing is taken again last; moved by more than DRIFT_LIMIT (other tenants of a
+    virtual machine's host: our own CPU shows no other work), the calibration is suspect, is not
+    saved, and says why; within it, the faster of the two timings counts."""
+    monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
+    monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 1)
+    monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 1)
+    monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
+    capsys.readouterr()
+    calibrate_engine.main([str(tiny_gguf("Q4_0", n_layers=3)), "1"])
+    timings, kv_type, other_cpu, all_quiet, drift = calibrate_engine.read_timings(
+        capsys.readouterr().out.strip().splitlines()[-1])
+    assert drift >= 0.0
+    base = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=0.0,
+                                 other_cpu=0.0)
+    for moved, suspect in ((0.05, False), (0.3, True)):
+        monkeypatch.setattr(calibrate_engine, "measure_timings_in_new_process",
+                            lambda path, threads: (timings, kv_type, 0.0, True, moved))
+        tuned = measure_engine(tiny_gguf("Q4_0", n_layers=3), base, threads=1)
+        assert (tuned.suspect, tuned.drift) == (suspect, moved)
+        assert f"moved by {moved:.1%}" in tuned.engine_model
+    assert "the machine's speed moved by 30%" in tuned.suspect_reason
+    assert calibrate.save(tuned) is None
+    assert calibrate.Calibration(fingerprint="x", host_bandwidth=1, host_flops=1, host_matmul_overhead_s=0,
+                                 suspect=True).suspect_reason.startswith("taken under load")

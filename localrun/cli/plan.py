@@ -104,7 +104,7 @@ def plan(
                 from localrun.calibrate_engine import measure_engine
                 calibration = measure_engine(profile.path, calibration, threads)
             saved = calibrate.save(calibration)
-            where = (f"saved to {saved}" if saved else f"NOT saved: taken under load ({calibration.load_note}); "
+            where = (f"saved to {saved}" if saved else f"NOT saved: {calibration.suspect_reason}; "
                      "rerun --measure when the machine is quiet")
             typer.echo(f"measured: host {calibration.host_bandwidth / 1e9:.1f} GB/s, {calibration.host_flops / 1e9:.0f} "
                        f"GFLOP/s; {len(calibration.gpus)} GPU(s); {where}", err=True)
