@@ -25,7 +25,10 @@ Timings that meet other work describe that moment, not the machine: each is take
 the CPU, with the cores they used meanwhile recorded (layerplan.quiet); a timing without a quiet
 repeat makes the calibration suspect. A decode timing is the median of its steps, so one late
 step (a garbage collection) does not move it, and the fastest quiet repeat counts (other work only
-ever adds time). Prompt steps vary by themselves: they allocate the unpacked weights afresh, and
+ever adds time). The decode timings of one engine are taken in turn within each repeat (short fill,
+long, longer; short, long, ...), so that their fastest come from the same rounds when the machine's
+speed moves; the first is taken once more at the end, and a calibration across which it moved by
+more than layerplan.calibrate.DRIFT_LIMIT is suspect. Prompt steps vary by themselves: they allocate the unpacked weights afresh, and
 whether the allocator hands back pages it kept or takes fresh ones from the kernel (page faults
 that can add a third to a step; docs/measurements.md) differs from step to step and process to process.
 That is the engine's own cost, which a user meets, so a prompt timing is the median of its quiet
@@ -156,11 +159,13 @@ class _Engine:
     def run(self, prompts, max_tokens: int = DECODE_STEPS) -> list[StepTime]:
         return timed_steps(self.llm.engine, prompts, replace(self.params, max_tokens=max_tokens))[0]
 
-    def decode(self, n_seqs: int, fill: int):
-        """Seconds per decode step of n_seqs sequences after `fill` prompt tokens each (the prompts
-        are the same every repeat: from the second on their blocks come from the prefix cache)."""
-        prompts = [synthetic_prompt(fill, self.n_vocab, 100 * fill + i) for i in range(n_seqs)]
-        return best_quiet(lambda _: (decode_step_seconds(self.run(prompts), n_seqs),), DECODE_REPEATS)
+    def decode(self, n_seqs: int, *fills: int):
+        """Seconds per decode step of n_seqs sequences after each of `fills` prompt tokens each,
+        the fills timed in turn within each repeat, so that the fastest of each comes from the
+        same rounds when the machine's speed moves (the prompts are the same every repeat: from
+        the second on their blocks come from the prefix cache)."""
+        prompts = [[synthetic_prompt(fill, self.n_vocab, 100 * fill + i) for i in range(n_seqs)] for fill in fills]
+        return best_quiet(lambda _: tuple(decode_step_seconds(self.run(p), n_seqs) for p in prompts), DECODE_REPEATS)
 
     def prefill(self, sizes: tuple[int, ...], n: int):
         """Seconds of the prompt step of a prompt of each size (n among them), of `n` tokens as
@@ -200,39 +205,39 @@ def measure_timings(path, threads: int | None = None):
     n = min(ATTENTION_TOKENS, room // 2)                        # the cached timing holds twice as many
     n -= n % BATCH
     sizes = tuple(sorted({max(1, min(size, n * size // ATTENTION_TOKENS)) for size in PROMPT_SIZES}))  # one step each
-    taken = []
+    records = []                                                # (others' cores, quiet) of each timing used
+
+    def timed(result):
+        values, others, all_quiet = result
+        records.append((others, all_quiet))
+        return values
 
     # One sequence is timed on engines built for one (as `localrun chat` builds it), the batches on
     # one built for BATCH: an engine's weight layouts follow the sequences it is built for
     # (gguf_weight.lane_types; a Q8_0 head runs in lanes from 2 on, 1.2x a row's time for one row),
     # so a one-sequence step of the batch engine was slower than the plan's one-sequence case.
     shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)
-    taken.append(shallow.decode(1, SHORT_FILL))
+    (shallow_s,) = timed(shallow.decode(1, SHORT_FILL))
     del shallow
     single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
-    for fill in (SHORT_FILL, long_fill, longer_fill):
-        taken.append(single.decode(1, fill) if fill else ((None,), None, True))
-    again = single.decode(1, SHORT_FILL)    # the machine's speed may move (other virtual machines on its host)
+    short_s, long_s, *longer = timed(single.decode(1, SHORT_FILL, long_fill, *([longer_fill] if longer_fill else [])))
+    (again_s,) = timed(single.decode(1, SHORT_FILL))   # the machine's speed may have moved meanwhile
     del single
+    drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
-    for n_seqs, fill in ((BATCH, SHORT_FILL), (BATCH, long_fill)):
-        taken.append(full.decode(n_seqs, fill))
-    taken.append(full.prefill(sizes, n))
+    batch_s, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, long_fill))
+    *prefill_s, split_s, cached_s = timed(full.prefill(sizes, n))
     kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
-    first, last = taken[1][0][0], again[0][0]
-    drift = max(first, last) / min(first, last) - 1.0
-    taken[1] = ((min(first, last),), *taken[1][1:])
-    (shallow_s,), (short_s,), (long_s,), (longer_s,), (batch_s,), (batch_long_s,), (*prefill_s, split_s, cached_s) = (
-        t[0] for t in taken)
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
                             fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
                             decode_batch_s=batch_s, decode_batch_long_s=batch_long_s, prompt_tokens=sizes,
                             prefill_s=tuple(prefill_s), attention_tokens=n, prefill_split_s=split_s,
                             prefill_cached_s=cached_s, decode_long_s=long_s,
-                            fill_longer=longer_fill + middle if longer_fill else None, decode_longer_s=longer_s)
-    others = [t[1] for t in taken if t[1] is not None]
-    return timings, kv_type, max(others) if others else None, all(t[2] for t in taken), drift
+                            fill_longer=longer_fill + middle if longer_fill else None,
+                            decode_longer_s=longer[0] if longer else None)
+    others = [o for o, _ in records if o is not None]
+    return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
 
 
 def measure_timings_in_new_process(path, threads: int | None = None):
