@@ -33,6 +33,13 @@ itself, with the page faults of the weights it unpacks (0 to ~130k a step, up to
 JSON has the count of the pass taken), and that is the engine's own cost, not noise. Memory is
 read after the first pass. The calibration waits, repeats and chooses the same way.
 
+The machine's own speed moves too: on a VM, other tenants of its host change it by up to a third
+within minutes while its own CPU shows no other work. So each run's worker, after its passes, times
+the engine calibration's first timing again (one sequence's decode step at a short fill,
+localrun.calibrate_engine.reference_step_seconds); `host_speed_vs_calibration` is the
+calibration's over the run's (above 1: the machine ran faster during the run than while it was
+calibrated). It explains a ratio; it does not correct one.
+
 Each ratio is measured over predicted. Targets (issue 20): memory 0.95-1.05; decode and prefill
 0.87-1.15 after --measure on a quiet machine. Prints a table, then one JSON object as the last line.
 
@@ -110,6 +117,11 @@ def worker(path: str, n_ctx: int, n_parallel: int, max_tokens: int, threads: int
                      "prompt_tok_s_to_last_first_token": sum(t["computed_prompt_tokens"] for t in timings)
                                                          / max(t["ttft_s"] for t in timings),
                      "other_cpu": other, "quiet": other is None or other <= quiet.QUIET_CORES})
+    dtype, kv_type = str(llm.dtype).removeprefix("torch."), llm.kv_type or default_kv_type(llm.dtype)
+    n_threads = llm.n_threads
+    del llm, seqs
+    from localrun.calibrate_engine import reference_step_seconds
+    reference_s = reference_step_seconds(path, threads)       # the machine's speed now (see the calibration's)
     pool = [r for r in rows if r["quiet"]] or rows                # quiet passes: the fastest decode, the median
     decode = min(pool, key=lambda r: r["decode_step_s"])         # prefill (its page faults are the engine's own)
     prefill = sorted(pool, key=lambda r: r["prefill_tok_s"])[len(pool) // 2]
@@ -120,9 +132,9 @@ def worker(path: str, n_ctx: int, n_parallel: int, max_tokens: int, threads: int
             "prefill_page_faults": prefill["prefill_page_faults"],
             "prefill_tok_s_by_pass": [round(r["prefill_tok_s"], 1) for r in rows],
             "prompt_tok_s_to_last_first_token": prefill["prompt_tok_s_to_last_first_token"],
-            "prompt_tokens": n_prompt, "generated_tokens": max_tokens,
-            "dtype": str(llm.dtype).removeprefix("torch."), "kv_type": llm.kv_type or default_kv_type(llm.dtype),
-            "threads": llm.n_threads, "passes": len(rows), "quiet_passes": sum(r["quiet"] for r in rows),
+            "prompt_tokens": n_prompt, "generated_tokens": max_tokens, "reference_step_s": reference_s,
+            "dtype": dtype, "kv_type": kv_type, "threads": n_threads, "passes": len(rows),
+            "quiet_passes": sum(r["quiet"] for r in rows),
             "other_cpu": max(others) if others else None, "quiet": decode["quiet"] and prefill["quiet"]}
 
 
@@ -209,7 +221,9 @@ def main() -> None:
         rows.append({"measured": measured, "predicted": predicted,
                      "memory_ratio": measured["resident_bytes"] / predicted["resident_bytes"],
                      "decode_ratio": measured["decode_tok_s"] / predicted["decode_tok_s"],
-                     "prefill_ratio": measured["prefill_tok_s"] / predicted["prefill_tok_s"]})
+                     "prefill_ratio": measured["prefill_tok_s"] / predicted["prefill_tok_s"],
+                     "host_speed": (calibration.engine_reference_s / measured["reference_step_s"]
+                                    if calibration.engine_reference_s else None)})
 
     mib = 1 << 20
     load = os.getloadavg()[0]
@@ -222,13 +236,14 @@ def main() -> None:
           f"{(c.host_layer_overhead_s or 0) * 1e3:.3f} ms per layer, {(c.host_step_overhead_s or 0) * 1e3:.2f} ms per step")
     print(f"engine calibration: {c.engine_model}")
     print(f"{'run':>8} {'resident MiB':>13} {'ledger':>8} {'ratio':>6}  {'decode':>7} {'pred':>7} {'ratio':>6}  "
-          f"{'prefill':>8} {'pred':>8} {'ratio':>6}  {'others':>6}")
+          f"{'prefill':>8} {'pred':>8} {'ratio':>6}  {'others':>6} {'host':>6}")
     for r in rows:
         m, p = r["measured"], r["predicted"]
         others = "-" if m["other_cpu"] is None else f"{m['other_cpu']:.2f}"
+        host = "-" if r["host_speed"] is None else f"{r['host_speed']:.3f}"
         print(f"{m['n_ctx']:>6}x{m['n_parallel']} {m['resident_bytes'] / mib:>13.1f} {p['resident_bytes'] / mib:>8.1f} "
               f"{r['memory_ratio']:>6.3f}  {m['decode_tok_s']:>7.1f} {p['decode_tok_s']:>7.1f} {r['decode_ratio']:>6.3f}  "
-              f"{m['prefill_tok_s']:>8.1f} {p['prefill_tok_s']:>8.1f} {r['prefill_ratio']:>6.3f}  {others:>6}")
+              f"{m['prefill_tok_s']:>8.1f} {p['prefill_tok_s']:>8.1f} {r['prefill_ratio']:>6.3f}  {others:>6} {host:>6}")
     quiet_runs = all(r["measured"]["quiet"] for r in rows) and not c.suspect
     print(json.dumps({
         "cpu": cpu_info(), "load_1m": round(load, 2),
@@ -245,6 +260,7 @@ def main() -> None:
                         "kv_cached_mb": round((c.host_kv_cached_bytes or 0) / 1e6, 1),
                         "layer_overhead_ms": round((c.host_layer_overhead_s or 0) * 1e3, 3),
                         "step_overhead_ms": round((c.host_step_overhead_s or 0) * 1e3, 3),
+                        "reference_step_ms": round((c.engine_reference_s or 0) * 1e3, 2),
                         "engine": c.engine_model},
         "runs": [{"n_ctx": r["measured"]["n_ctx"], "parallel": r["measured"]["n_parallel"],
                   "resident_mib": round(r["measured"]["resident_bytes"] / mib, 1),
@@ -261,6 +277,8 @@ def main() -> None:
                   "prompt_tok_s_to_last_first_token": round(r["measured"]["prompt_tok_s_to_last_first_token"], 1),
                   "predicted_prefill_tok_s": round(r["predicted"]["prefill_tok_s"], 1),
                   "prefill_ratio": round(r["prefill_ratio"], 3),
+                  "reference_step_ms": round(r["measured"]["reference_step_s"] * 1e3, 2),
+                  "host_speed_vs_calibration": None if r["host_speed"] is None else round(r["host_speed"], 3),
                   "quiet_passes": f"{r['measured']['quiet_passes']}/{r['measured']['passes']}",
                   "other_cpu": (None if r["measured"]["other_cpu"] is None
                                 else round(r["measured"]["other_cpu"], 2))} for r in rows],

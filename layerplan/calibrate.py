@@ -86,6 +86,8 @@ class Calibration:
     other_cpu: float | None = None   # cores other processes kept busy while measuring (None: not measurable)
     host_kv_cached_bytes: float | None = None  # KV bytes a decode step reads from the CPU's caches (engine calibration)
     drift: float | None = None       # the engine calibration's first timing retaken last: slower over faster - 1
+    engine_reference_s: float | None = None  # that timing (one sequence, short fill, all layers), seconds: a later
+                                             # run times it again to see how far the machine's speed moved since
 
     @property
     def suspect_reason(self) -> str:

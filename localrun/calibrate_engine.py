@@ -240,6 +240,14 @@ def measure_timings(path, threads: int | None = None):
     return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
 
 
+def reference_step_seconds(path, threads: int | None = None) -> float:
+    """The engine calibration's first timing, taken afresh: one sequence's decode step at the short
+    fill through all layers, on an engine built for one (the fastest of DECODE_REPEATS quiet
+    repeats). Against the calibration's own (Calibration.engine_reference_s) it says how far the
+    machine's speed has moved since, which a VM's host can do by a third within minutes."""
+    return _Engine(path, None, SHORT_FILL + DECODE_STEPS + 16, 1, threads).decode(1, SHORT_FILL)[0][0]
+
+
 def measure_timings_in_new_process(path, threads: int | None = None):
     """measure_timings in a fresh Python process, as the engine will run: the allocator's state
     decides how many pages a prompt step takes fresh from the kernel (see the module's notes), and
@@ -305,7 +313,7 @@ def measure_engine(path, calibration, threads: int | None = None):
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
         suspect=calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT),
-        drift=drift,
+        drift=drift, engine_reference_s=t.decode_short_s,
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "
