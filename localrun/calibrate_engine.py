@@ -28,12 +28,12 @@ step (a garbage collection) does not move it, and the fastest quiet repeat count
 ever adds time). The decode timings of one engine are taken in turn within each repeat (short fill,
 long, longer; short, long, ...), so that their fastest come from the same rounds when the machine's
 speed moves; the first is taken once more at the end, and a calibration across which it moved by
-more than layerplan.calibrate.DRIFT_LIMIT is suspect. Prompt steps vary by themselves: they allocate the unpacked weights afresh, and
-whether the allocator hands back pages it kept or takes fresh ones from the kernel (page faults
-that can add a third to a step; docs/measurements.md) differs from step to step and process to process.
-That is the engine's own cost, which a user meets, so a prompt timing is the median of its quiet
-repeats, not the luckiest one. A warm-up runs first in every engine, so
-first-touch costs (weights paged in, kernels set up) are not timed.
+more than layerplan.calibrate.DRIFT_LIMIT is suspect. Prompt steps vary by themselves: they
+allocate the unpacked weights afresh, and whether the allocator hands back pages it kept or takes
+fresh ones from the kernel (page faults that can add a third to a step; docs/measurements.md)
+differs from step to step and process to process. That is the engine's own cost, which a user
+meets, so a prompt timing is the median of its quiet repeats, not the luckiest one. A warm-up runs
+first in every engine, so first-touch costs (weights paged in, kernels set up) are not timed.
 """
 from __future__ import annotations
 
