@@ -384,5 +384,5 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    attention_flops=calibration.host_attention_flops or 0.0,
                    causal_attention_flops=calibration.host_causal_attention_flops or 0.0,
                    source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
-                           + (", suspect: taken under load" if calibration.suspect else "")))
+                           + (f", suspect: {calibration.suspect_reason.split(' (')[0]}" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

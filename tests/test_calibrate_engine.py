@@ -125,3 +125,14 @@ def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_ggu
                                  suspect=True).suspect_reason.startswith("taken under load")
     # a later run takes the same timing again (benchmarks/plan_accuracy.py: how the machine moved since)
     assert 0 < calibrate_engine.reference_step_seconds(tiny_gguf("Q4_0", n_layers=3), 1) < 10
+
+
+def test_a_plan_on_a_suspect_calibration_says_why_in_its_source():
+    host = Device("CPU", "cpu", 1 << 34, 1 << 34, memory_bandwidth=1e10, compute_flops=1e10)
+    moved = calibrate.Calibration(fingerprint="x", host_bandwidth=2e10, host_flops=1e11, host_matmul_overhead_s=0.0,
+                                  suspect=True, drift=0.28)
+    assert calibrate.apply(Machine(gpus=(), host=host), moved).host.source.endswith(
+        "suspect: the machine's speed moved by 28% while measuring")
+    loaded = calibrate.apply(Machine(gpus=(), host=host), calibrate.Calibration(
+        fingerprint="x", host_bandwidth=2e10, host_flops=1e11, host_matmul_overhead_s=0.0, suspect=True))
+    assert loaded.host.source.endswith("suspect: taken under load")
