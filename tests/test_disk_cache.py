@@ -188,6 +188,27 @@ def test_block_size_is_part_of_the_key(model_path, tmp_path):
     assert seqs[0].generated_token_ids == seqs[1].generated_token_ids == seqs[2].generated_token_ids
 
 
+def test_another_build_of_the_kernels_does_not_reuse_blocks(model_path, tmp_path, monkeypatch):
+    """Blocks another build of the compiled kernels (or another instruction set) wrote differ from
+    this build's in their last bits; greedy output at a near-tie then depended on the disk."""
+    from localrun import kernels
+    from localrun.engine.llm_engine import LLMEngine
+    llm = LLM(model_path, dtype="float32", n_threads=1)
+    config = DiskCacheConfig(tmp_path / "kv", model_fingerprint(model_path, llm.file.header.data_offset))
+    this_build = kernels.signature()
+    assert this_build != "none" and this_build.endswith(f"|{kernels.isa()}")
+    loaded = []
+    for build in (this_build, "0123456789abcdef|avx2", this_build):
+        monkeypatch.setattr(kernels, "signature", lambda build=build: build)
+        engine = LLMEngine(llm.model, num_blocks=128, block_size=16, disk_cache=config)
+        seq = engine.add_request("r", PROMPT, llm_params())
+        while engine.has_unfinished():
+            engine.step()
+        engine.flush()
+        loaded.append(seq.timeline.cached_tokens_by_tier.get("disk", 0))
+    assert loaded == [0, 0, 192]
+
+
 def test_a_file_moved_into_another_namespace_is_rejected(model_path, tiny_gguf, tmp_path):
     run(make_llm(model_path, tmp_path / "kv"))
     other = make_llm(tiny_gguf("F32", seed=1), tmp_path / "kv")

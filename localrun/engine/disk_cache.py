@@ -101,11 +101,15 @@ def namespace(*parts: object) -> str:
 
 def compute_signature(model) -> str:
     """What besides the weights file decides the K/V values a model computes: its compute
-    dtype and how its weights are held (a weight format that changes the arithmetic, e.g.
-    int4 matmuls, should show in `model.weight_format` or in the weight tensor's type)."""
+    dtype, how its weights are held (a weight format that changes the arithmetic, e.g.
+    int4 matmuls, should show in `model.weight_format` or in the weight tensor's type), and the
+    compiled kernels' build and instruction set: a block another build wrote differs from this
+    build's in its last bits, and at a near-tie greedy output then depended on what was on disk
+    (SmolLM2's first answer token, 0.13 logits apart, came out two ways)."""
+    from localrun import kernels
     wqkv = model.layers[0].attention.wqkv
     return (f"{model.dtype}|{getattr(model, 'weight_format', '')}|{type(wqkv).__qualname__}|"
-            f"{getattr(wqkv, 'dtype', '')}")
+            f"{getattr(wqkv, 'dtype', '')}|{kernels.signature()}")
 
 
 def default_max_bytes(root: Path) -> int:

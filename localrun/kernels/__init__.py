@@ -21,13 +21,15 @@ loads that library instead (another build of the kernels: benchmarks/kernel_ab.p
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
-from localrun.kernels.build import BuildError, build
+from localrun.kernels.build import BuildError, build, library_path
 
 # GGML type ids with a kernel (gguf's GGMLQuantizationType values)
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -51,6 +53,18 @@ def available() -> bool:
               file=sys.stderr)
         return False
     return True
+
+
+@lru_cache(maxsize=None)
+def signature() -> str:
+    """What of the compiled kernels decides the bits they compute: which library (its sources'
+    key, or a digest of the file LOCALRUN_KERNEL_LIBRARY names) and the instruction set it runs;
+    'none' without them. Two builds, or AVX2 against AVX-512, round differently."""
+    if not available():
+        return "none"
+    given = os.environ.get("LOCALRUN_KERNEL_LIBRARY")
+    library = hashlib.sha256(Path(given).read_bytes()).hexdigest()[:16] if given else library_path().parent.name
+    return f"{library}|{isa()}"
 
 
 def isa() -> str | None:
