@@ -196,7 +196,7 @@ def test_another_build_of_the_kernels_does_not_reuse_blocks(model_path, tmp_path
     llm = LLM(model_path, dtype="float32", n_threads=1)
     config = DiskCacheConfig(tmp_path / "kv", model_fingerprint(model_path, llm.file.header.data_offset))
     this_build = kernels.signature()
-    assert this_build != "none" and this_build.endswith(f"|{kernels.isa()}")
+    assert this_build != "none" and f"|{kernels.isa()}|" in this_build
     loaded = []
     for build in (this_build, "0123456789abcdef|avx2", this_build):
         monkeypatch.setattr(kernels, "signature", lambda build=build: build)
@@ -207,6 +207,18 @@ def test_another_build_of_the_kernels_does_not_reuse_blocks(model_path, tmp_path
         engine.flush()
         loaded.append(seq.timeline.cached_tokens_by_tier.get("disk", 0))
     assert loaded == [0, 0, 192]
+
+
+def test_a_forced_instruction_set_is_part_of_the_kernels_signature():
+    """LOCALRUN_ISA=avx2 changes which attention kernel an AVX-512 CPU without VNNI runs while its
+    matmuls' ISA (kernels.isa()) reads avx2 either way: the variable as given is in the key."""
+    code = "from localrun import kernels; print(kernels.signature())"
+
+    def signature(**env):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={k: v for k, v in {**os.environ, **env}.items() if v is not None}).stdout.strip()
+    plain, forced = signature(LOCALRUN_ISA=None), signature(LOCALRUN_ISA="avx2")
+    assert plain.split("|")[0] == forced.split("|")[0] and forced.endswith("|avx2|avx2") and plain.endswith("|")
 
 
 def test_a_file_moved_into_another_namespace_is_rejected(model_path, tiny_gguf, tmp_path):

@@ -58,13 +58,15 @@ def available() -> bool:
 @lru_cache(maxsize=None)
 def signature() -> str:
     """What of the compiled kernels decides the bits they compute: which library (its sources'
-    key, or a digest of the file LOCALRUN_KERNEL_LIBRARY names) and the instruction set it runs;
-    'none' without them. Two builds, or AVX2 against AVX-512, round differently."""
+    key, or a digest of the file LOCALRUN_KERNEL_LIBRARY names), the instruction set its matmuls
+    run and LOCALRUN_ISA as given (each kernel file reads it for itself: on an AVX-512 CPU without
+    VNNI the matmuls run AVX2 and the paged attention AVX-512 unless it says avx2); 'none' without
+    them. Two builds, or AVX2 against AVX-512, round differently."""
     if not available():
         return "none"
     given = os.environ.get("LOCALRUN_KERNEL_LIBRARY")
     library = hashlib.sha256(Path(given).read_bytes()).hexdigest()[:16] if given else library_path().parent.name
-    return f"{library}|{isa()}"
+    return f"{library}|{isa()}|{os.environ.get('LOCALRUN_ISA', '')}"
 
 
 def isa() -> str | None:
