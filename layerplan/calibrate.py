@@ -90,14 +90,22 @@ class Calibration:
                                              # run times it again to see how far the machine's speed moved since
 
     @property
-    def suspect_reason(self) -> str:
+    def suspect_cause(self) -> str:
         """Why the calibration is suspect, in a few words ('' when it is not)."""
         if not self.suspect:
             return ""
         if self.drift is not None and self.drift > DRIFT_LIMIT:
-            return (f"the machine's speed moved by {self.drift:.0%} while measuring (the same decode step, timed "
-                    "first and last; on a virtual machine, other tenants of its host)")
-        return f"taken under load ({self.load_note})"
+            return f"the machine's speed moved by {self.drift:.0%} while measuring"
+        return "taken under load"
+
+    @property
+    def suspect_reason(self) -> str:
+        """suspect_cause with what was measured ('' when it is not suspect)."""
+        if not self.suspect:
+            return ""
+        moved = self.drift is not None and self.drift > DRIFT_LIMIT
+        return self.suspect_cause + (" (the same decode step, timed first and last; on a virtual machine, other "
+                                     "tenants of its host)" if moved else f" ({self.load_note})")
 
     @property
     def load_note(self) -> str:
@@ -384,5 +392,5 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    attention_flops=calibration.host_attention_flops or 0.0,
                    causal_attention_flops=calibration.host_causal_attention_flops or 0.0,
                    source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
-                           + (f", suspect: {calibration.suspect_reason.split(' (')[0]}" if calibration.suspect else "")))
+                           + (f", suspect: {calibration.suspect_cause}" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

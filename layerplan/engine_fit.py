@@ -201,10 +201,9 @@ def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
     bandwidth is then solved on the model at that C from the longer fill, so the model's own
     roofline (attention's flops) is respected. With two fills (or timings where the longer fill
     is not the dearer: noise), C stays 0 and the bandwidth comes from the long fill, as before."""
-    if t.decode_long_s is None:
-        rows, long_s, short_s = t.batch, t.decode_batch_long_s, t.decode_batch_s
-    else:
-        rows, long_s, short_s = 1, t.decode_long_s, t.decode_short_s
+    one_row = t.decode_long_s is not None
+    rows, long_s, short_s = ((1, t.decode_long_s, t.decode_short_s) if one_row
+                             else (t.batch, t.decode_batch_long_s, t.decode_batch_s))
 
     def fill_cost(x: Device, fill: float) -> float:
         return m.decode(x, rows, fill) - m.decode(x, rows, t.fill_short)
@@ -213,7 +212,7 @@ def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
         return replace(x, kv_bandwidth=_solve_rate(lambda bw: fill_cost(replace(x, kv_bandwidth=bw), fill), target,
                                                    x.kv_bandwidth))
     h = replace(h, kv_cached_bytes=0.0)
-    if t.decode_long_s is None or t.decode_longer_s is None or not t.fill_longer:
+    if not (one_row and t.decode_longer_s is not None and t.fill_longer):
         return bandwidth(h, t.fill_long, long_s - short_s)
     b1, b2 = (m.decode_kv_bytes(h, 1, f) for f in (t.fill_long, t.fill_longer))
     d1, d2 = long_s - short_s, t.decode_longer_s - short_s
