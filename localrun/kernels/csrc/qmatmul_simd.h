@@ -348,11 +348,13 @@ static void rows_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
 // whole lanes, so nothing is summed across lanes, and a lane's arithmetic (one row times one
 // activation row) is the same whatever rows share the tile or the call.
 
-// Activation rows per pass over a tile: 4 in AVX2's 16 vector registers, 8 in AVX-512's 32
+// Activation rows per pass over a tile, and the most a call takes straight from the file
+// (direct_rows): 6 in AVX2's 16 vector registers (steps_sum_rows keeps 6 int16 sums, 6 float sums
+// and a step's codes there; 4 before 2026-12-04), 8 in AVX-512's 32
 #ifdef LOCALRUN_VNNI
 constexpr int LANES_TILE = 8;
 #else
-constexpr int LANES_TILE = 4;
+constexpr int LANES_TILE = 6;
 #endif
 
 // Steps of 4 codes whose u8 x s8 pair sums add up in int16 without saturating (activations are
@@ -600,19 +602,13 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
     }
 }
 
-// The int32 lanes of steps j0 .. j1 - 1 of a group: codes q[j] (8 rows) times the activation's
-// 4 bytes x + 4j broadcast, summed in int16 over STEPS steps (two chains, even and odd steps,
-// joined before the madd), then in int32.
-template <int QT>
-static inline __attribute__((always_inline)) __m256i steps_sum(const __m256i* q, const uint8_t* x, int j0, int j1, __m256i ones) {
-    auto step = [&](int j) __attribute__((always_inline)) {
-        uint32_t x4; std::memcpy(&x4, x + 4 * j, 4);
-        return _mm256_maddubs_epi16(_mm256_load_si256(q + j), _mm256_set1_epi32((int)x4));
-    };
 #ifdef LOCALRUN_VNNI
-    // VNNI: each step's four products summed straight into int32 (two chains, joined at the
-    // end). The integer sums are exact either way, so these are the AVX2 steps' bits.
-    (void)ones;
+// The int32 lanes of steps j0 .. j1 - 1 of a group for one activation row: codes q[j] (8 rows)
+// times the activation's 4 bytes x + 4j broadcast, each step's four products summed straight
+// into int32 by VNNI (two chains, even and odd steps, joined at the end). The integer sums are
+// exact, so these are the AVX2 build's bits (steps_sum_rows).
+template <int QT>
+static inline __attribute__((always_inline)) __m256i steps_sum(const __m256i* q, const uint8_t* x, int j0, int j1) {
     __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = j0; j < j1; j += 2) {
@@ -621,29 +617,51 @@ static inline __attribute__((always_inline)) __m256i steps_sum(const __m256i* q,
         odd = _mm256_dpbusd_epi32(odd, _mm256_load_si256(q + j + 1), _mm256_set1_epi32((int)x1));
     }
     return _mm256_add_epi32(even, odd);
+}
 #else
-    __m256i s32 = _mm256_setzero_si256();
+// AVX2: steps j0 .. j1 - 1 for R activation rows at once, each step's codes loaded once and
+// multiplied against every row's broadcast (the step outside, the rows inside: R int16 sums
+// and R int32 sums in registers, nothing spilled). Integer sums are exact in any order and the
+// int16 ones cannot saturate (STEPS), so each row's int32 lanes are the VNNI build's. The empty asm
+// keeps each row's int16 chain in order: without it GCC re-associated the sums of all rows into
+// trees and spilled the products to the stack (a variant without it measured slower than the
+// rows-inside loop it replaced).
+template <int QT, int R>
+static inline __attribute__((always_inline)) void steps_sum_rows(const __m256i* q, const uint8_t* const* x, int j0, int j1,
+                                                                 __m256i ones, __m256i* s32) {
 #pragma GCC unroll 8
     for (int j = j0; j < j1; j += STEPS<QT>) {
-        __m256i even = step(j), odd = step(j + 1);
+        __m256i p[R];
 #pragma GCC unroll 8
-        for (int k = j + 2; k < j + STEPS<QT>; k += 2) {
-            even = _mm256_add_epi16(even, step(k));
-            odd = _mm256_add_epi16(odd, step(k + 1));
+        for (int k = j; k < j + STEPS<QT>; k++) {
+            const __m256i qk = _mm256_load_si256(q + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                uint32_t x4; std::memcpy(&x4, x[r] + 4 * k, 4);
+                const __m256i m = _mm256_maddubs_epi16(qk, _mm256_set1_epi32((int)x4));
+                p[r] = k == j ? m : _mm256_add_epi16(p[r], m);
+                __asm__("" : "+x"(p[r]));     // keep GCC from re-associating the sums into a tree (spills)
+            }
         }
-        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m256i m = _mm256_madd_epi16(p[r], ones);
+            s32[r] = j == j0 ? m : _mm256_add_epi32(s32[r], m);
+        }
     }
-    return s32;
-#endif
 }
+#endif
 
 // Group g of 8 weight rows (codes q[0..8), scales ab as in Tile8) times activation rows m0 ..
 // m0 + R - 1, added to acc: the arithmetic of every lane-layout product, whether the group comes
-// from a tile (tile_rows) or straight from the file (direct_rows).
+// from a tile (tile_rows) or straight from the file (direct_rows). The float steps per row are
+// the same in both builds, in the same order.
 template <int QT, int R>
 static inline __attribute__((always_inline)) void lane_group(const __m256i* q, const float* ab, int64_t g, const QX& qx,
                                                              int64_t m0, __m256i ones, __m256* acc) {
     const int64_t K = qx.K, G = K / 32;
+#ifdef LOCALRUN_VNNI
+    (void)ones;
     const uint8_t* xs = (const uint8_t*)(qx.qs + m0 * K);
     const float* dx = qx.d + m0 * G;
 #pragma GCC unroll 8
@@ -652,15 +670,45 @@ static inline __attribute__((always_inline)) void lane_group(const __m256i* q, c
         const __m256 d = _mm256_broadcast_ss(dx + r * G + g);
         if constexpr (HALVES<QT>) {
             const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 4, ones)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 4, 8, ones)), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), d), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 4)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 4, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), d), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(sh), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 24), _mm256_broadcast_ss(sh + 1), acc[r]);
         } else {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 8, ones)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(qx.sxg + (m0 + r) * G + g), acc[r]);
         }
     }
+#else
+    const uint8_t* xr[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) xr[r] = (const uint8_t*)(qx.qs + (m0 + r) * K) + 32 * g;
+    const float* dx = qx.d + m0 * G;
+    __m256i s[R];
+    if constexpr (HALVES<QT>) {
+        steps_sum_rows<QT, R>(q, xr, 0, 4, ones, s);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(_mm256_loadu_ps(ab), _mm256_broadcast_ss(dx + r * G + g)), acc[r]);
+        steps_sum_rows<QT, R>(q, xr, 4, 8, ones, s);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_broadcast_ss(dx + r * G + g);
+            const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), d), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(sh), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 24), _mm256_broadcast_ss(sh + 1), acc[r]);
+        }
+    } else {
+        steps_sum_rows<QT, R>(q, xr, 0, 8, ones, s);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_broadcast_ss(dx + r * G + g);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(qx.sxg + (m0 + r) * G + g), acc[r]);
+        }
+    }
+#endif
 }
 
 // acc[r]'s 8 lanes into y[m0 + r, n0 .. n0 + rows)
