@@ -257,6 +257,7 @@ def main() -> None:
                         "decode_gflops": round((c.host_decode_flops or 0) / 1e9, 1),
                         "unpack_gb_s": round((c.host_unpack_bandwidth or 0) / 1e9, 3),
                         "kv_gb_s": round((c.host_kv_bandwidth or 0) / 1e9, 2),
+                        "kv_batch_gb_s": round((c.host_kv_batch_bandwidth or 0) / 1e9, 2),
                         "kv_cached_mb": round((c.host_kv_cached_bytes or 0) / 1e6, 1),
                         "layer_overhead_ms": round((c.host_layer_overhead_s or 0) * 1e3, 3),
                         "step_overhead_ms": round((c.host_step_overhead_s or 0) * 1e3, 3),

@@ -44,8 +44,9 @@ CALIBRATION_FILE = "calibration.json"
 # sequences, and the sampler's top-k is one compiled pass; 5: prompt rows go through the integer
 # kernel (prompt_math int8: 1.5-2x the prefill of the float path), and AVX-512 multiplies 9 or more
 # rows 16 lanes per register; 6: decode over a third cache fill, and the KV bytes the CPU's caches
-# hold between steps, free in the model).
-SPEED_MODEL_REVISION = 6
+# hold between steps, free in the model; 7: the AVX2 lane kernel's 6-row passes, and a decode batch's
+# own KV read rate).
+SPEED_MODEL_REVISION = 7
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 DRIFT_LIMIT = 0.10   # an engine calibration whose first timing, retaken last, moved by more is suspect
@@ -85,6 +86,8 @@ class Calibration:
     host_causal_attention_flops: float | None = None  # and from an empty cache (engine calibration)
     other_cpu: float | None = None   # cores other processes kept busy while measuring (None: not measurable)
     host_kv_cached_bytes: float | None = None  # KV bytes a decode step reads from the CPU's caches (engine calibration)
+    host_kv_batch_bandwidth: float | None = None  # bytes/s a batch of host_kv_batch_rows decode rows reads KV at
+    host_kv_batch_rows: int | None = None         # (engine calibration; None: one rate for every step)
     drift: float | None = None       # the engine calibration's first timing retaken last: slower over faster - 1
     engine_reference_s: float | None = None  # that timing (one sequence, short fill, all layers), seconds: a later
                                              # run times it again to see how far the machine's speed moved since
@@ -387,6 +390,8 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    step_overhead_s=calibration.host_step_overhead_s or 0.0,
                    kv_bandwidth=calibration.host_kv_bandwidth or 0.0,
                    kv_cached_bytes=calibration.host_kv_cached_bytes or 0.0,
+                   kv_batch_bandwidth=calibration.host_kv_batch_bandwidth or 0.0,
+                   kv_batch_rows=calibration.host_kv_batch_rows or 0,
                    decode_flops=calibration.host_decode_flops or 0.0,
                    unpack_bandwidth=calibration.host_unpack_bandwidth or 0.0,
                    attention_flops=calibration.host_attention_flops or 0.0,

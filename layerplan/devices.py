@@ -21,6 +21,8 @@ class Device:
     kv_bandwidth: float = 0.0      # bytes/s attention reads the KV cache at; 0: memory_bandwidth
     kv_cached_bytes: float = 0.0   # KV bytes a step reads that the device's caches hold from one step to the
                                    # next (read at no cost; only a step's KV beyond them at kv_bandwidth)
+    kv_batch_bandwidth: float = 0.0  # bytes/s a decode step of kv_batch_rows rows or more reads its KV beyond the
+    kv_batch_rows: int = 0           # caches at (linear in rows from one row's kv_bandwidth); 0: kv_bandwidth
     decode_flops: float = 0.0      # matmul flop/s over the few rows of a decode step (and the output head),
                                    # whose kernels compute row by row; 0: compute_flops
     unpack_bandwidth: float = 0.0  # bytes/s at which a prompt step unpacks quantized weights for its GEMM

@@ -133,7 +133,7 @@ class _Model:
 
 def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings) -> Device:
     """`host` with the figures that make the speed model reproduce the engine timings `t`:
-    kv_bandwidth, kv_cached_bytes, decode_flops, layer_overhead_s, step_overhead_s, unpack_bandwidth, compute_flops,
+    kv_bandwidth, kv_cached_bytes, kv_batch_bandwidth (and kv_batch_rows), decode_flops, layer_overhead_s, step_overhead_s, unpack_bandwidth, compute_flops,
     causal_attention_flops and attention_flops (its memory bandwidth stays as given).
 
     The matmul overhead goes to zero: the engine runs the same matmuls in every layer, so the fixed
@@ -151,8 +151,8 @@ def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings
 
 def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
     # 1. attention: only the cache fill differs between the timings of one sequence (of the batch
-    #    in a calibration without the one-sequence one)
-    h = _fit_kv(m, h, t)
+    #    in a calibration without the one-sequence one); then the batch's own rate, from its two fills
+    h = _fit_kv_batch(m, _fit_kv(m, h, t), t)
 
     # 2. decode rows: `batch` sequences against one at the same fill (per-layer and per-step costs cancel)
     def rows_cost(decode_flops):
@@ -211,7 +211,7 @@ def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
     def bandwidth(x: Device, fill: float, target: float) -> Device:
         return replace(x, kv_bandwidth=_solve_rate(lambda bw: fill_cost(replace(x, kv_bandwidth=bw), fill), target,
                                                    x.kv_bandwidth))
-    h = replace(h, kv_cached_bytes=0.0)
+    h = replace(h, kv_cached_bytes=0.0, kv_batch_bandwidth=0.0, kv_batch_rows=0)
     if not (one_row and t.decode_longer_s is not None and t.fill_longer):
         return bandwidth(h, t.fill_long, long_s - short_s)
     b1, b2 = (m.decode_kv_bytes(h, 1, f) for f in (t.fill_long, t.fill_longer))
@@ -226,6 +226,22 @@ def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
         if abs(cached - before) <= 1e-9 * b1:
             break
     return bandwidth(replace(h, kv_cached_bytes=cached), t.fill_longer, d2)
+
+
+def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
+    """kv_batch_bandwidth (at kv_batch_rows = t.batch rows) from the batch's decode timings at the
+    long fill against the short one, with one sequence's figures (_fit_kv) in place: the rate at
+    which the batch's KV beyond the caches reads. None where one sequence's timings are missing
+    (the batch's then gave kv_bandwidth itself) or the batch's long fill cost nothing to see."""
+    if t.decode_long_s is None or t.batch <= 1:
+        return h
+    x = replace(h, kv_batch_rows=t.batch)
+
+    def fill_cost(bw: float) -> float:
+        y = replace(x, kv_batch_bandwidth=bw)
+        return m.decode(y, t.batch, t.fill_long) - m.decode(y, t.batch, t.fill_short)
+    rate = _solve_rate(fill_cost, t.decode_batch_long_s - t.decode_batch_s, 0.0)
+    return replace(x, kv_batch_bandwidth=rate) if rate else h
 
 
 def _solve_logs(seconds_of, measured: list[float], start: list[float], iterations: int = 200) -> list[float]:

@@ -80,6 +80,18 @@ def _attention(layer: LayerProfile, kv_bytes_per_token: float, n_queries: int, n
     return n_bytes, flops
 
 
+def _kv_rate(device: Device, rows: int) -> float:
+    """Bytes/s a step with `rows` decode rows reads its KV (beyond the caches) at: kv_bandwidth for
+    one row, kv_batch_bandwidth from kv_batch_rows rows on, linear in the rows between (the two row
+    counts an engine calibration times). On 2 Zen 3 cores four sequences over 2060 cached tokens read
+    their KV about twice as fast per byte as one sequence did (docs/layerplan.md)."""
+    one = device.kv_bandwidth or device.memory_bandwidth
+    if not device.kv_batch_bandwidth or device.kv_batch_rows <= 1 or rows <= 1:
+        return one
+    share = min(1.0, (rows - 1) / (device.kv_batch_rows - 1))
+    return one + share * (device.kv_batch_bandwidth - one)
+
+
 def _link(a: Device, b: Device) -> Device:
     """The device whose host link a transfer between a and b goes over (the slower GPU side)."""
     gpus = [d for d in (a, b) if d.kind == "gpu"]
@@ -135,7 +147,7 @@ class _Step:
                 matmul_s -= layer.n_expert_matmuls * device.matmul_overhead_s  # counted where they run
             a_bytes, flops_s = attention[il]
             a_bytes *= read_share[placement.kv_devices[il]]
-            attention_s = max(a_bytes / (kv_device.kv_bandwidth or kv_device.memory_bandwidth), flops_s)
+            attention_s = max(a_bytes / _kv_rate(kv_device, n_tokens if decode else 1), flops_s)
             if kv_device is not device:  # q, k, v out to the cache's device and the result back
                 q_kv_dims = layer.n_head * layer.head_dim_k + 2 * layer.n_kv_head * layer.head_dim_k
                 attention_s += 2 * _transfer_s(device, kv_device, n_tokens * q_kv_dims * F32)

@@ -308,6 +308,7 @@ def measure_engine(path, calibration, threads: int | None = None):
         host_layer_overhead_s=fitted.layer_overhead_s, host_step_overhead_s=fitted.step_overhead_s,
         host_matmul_overhead_s=fitted.matmul_overhead_s,
         host_kv_bandwidth=fitted.kv_bandwidth, host_kv_cached_bytes=fitted.kv_cached_bytes,
+        host_kv_batch_bandwidth=fitted.kv_batch_bandwidth or None, host_kv_batch_rows=fitted.kv_batch_rows or None,
         host_decode_flops=fitted.decode_flops,
         host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,

@@ -153,25 +153,49 @@ def test_prompts_that_arrive_together_share_steps_oldest_first():
                                                      n_logits=4, decode=False), rel=1e-9)
 
 
-def test_the_kv_bandwidth_is_one_sequences_over_a_long_cache():
+def test_the_kv_bandwidth_is_one_sequences_and_the_batch_has_its_own_rate():
     """The KV bandwidth comes from one sequence's decode steps at the long fill against the short
-    one: four rows over a long cache that run slower per row (here twice the attention time; split
-    over the threads otherwise)
-    stay a residual instead of slowing every one-sequence prediction (on 2 Zen 4 cores the batch
-    gave 12 GB/s where one sequence read at ~17). A calibration from before the one-sequence
-    timing falls back to the batch's."""
+    one: four rows over a long cache that run slower per row (here twice the attention time; on
+    2 Zen 3 cores they ran about twice as fast per byte) do not move it (on 2 Zen 4 cores the batch
+    gave 12 GB/s where one sequence read at ~17); they get their own rate, at 4 rows, which
+    reproduces their timing. A calibration from before the one-sequence timing falls back to the
+    batch's for both."""
     profile = _toy()
     start = replace(TRUE_HOST, kv_bandwidth=1e9)
     t = _timings(profile, TRUE_HOST)
     slow_batch = replace(t, decode_batch_long_s=t.decode_batch_s + 2 * (t.decode_batch_long_s - t.decode_batch_s))
     fitted = fit_host(profile, start, "f16", slow_batch)
     assert fitted.kv_bandwidth == pytest.approx(TRUE_HOST.kv_bandwidth, rel=1e-3)
+    assert fitted.kv_batch_rows == 4 and fitted.kv_batch_bandwidth < 0.6 * TRUE_HOST.kv_bandwidth
     r = residuals(profile, fitted, "f16", slow_batch)
-    assert r["decode_long"] == pytest.approx(1.0, rel=1e-3) and r["decode_batch_long"] > 1.1
+    assert r["decode_long"] == pytest.approx(1.0, rel=1e-3) and r["decode_batch_long"] == pytest.approx(1.0, rel=1e-3)
+    same = fit_host(profile, start, "f16", t)      # a batch that reads as one row does: the same rate
+    assert same.kv_batch_bandwidth == pytest.approx(TRUE_HOST.kv_bandwidth, rel=1e-3)
     older = fit_host(profile, start, "f16", replace(slow_batch, decode_long_s=None))
-    assert older.kv_bandwidth < 0.8 * TRUE_HOST.kv_bandwidth
+    assert older.kv_bandwidth < 0.8 * TRUE_HOST.kv_bandwidth and older.kv_batch_bandwidth == 0.0
     assert residuals(profile, older, "f16", replace(slow_batch, decode_long_s=None))["decode_batch_long"] == \
         pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_batch_reads_its_kv_at_its_rate_linear_in_rows_from_one():
+    """By hand: 6144 KV bytes a token (12 layers), nothing cached, flops free. One row reads at
+    kv_bandwidth (1 GB/s), 4 rows and more at kv_batch_bandwidth (4 GB/s), 2 rows a third of the
+    way (2 GB/s); a prompt step reads at kv_bandwidth."""
+    profile = _toy()
+    host = replace(TRUE_HOST, kv_bandwidth=1e9, kv_cached_bytes=0.0, kv_batch_bandwidth=4e9, kv_batch_rows=4,
+                   attention_flops=1e18, causal_attention_flops=1e18)
+    machine, settings, placement = _host_only(profile, host, n_parallel=8)
+
+    def added(rows, decode=True, q=1):     # seconds a fill of 1000 adds over one of 40
+        def step(fill):
+            return step_seconds(profile, machine, placement, settings, ((q, fill),) * rows, n_logits=rows,
+                                decode=decode)
+        return step(1000.0) - step(40.0)
+    assert added(1) == pytest.approx(6144 * 960 / 1e9, rel=1e-6)
+    assert added(2) == pytest.approx(2 * 6144 * 960 / 2e9, rel=1e-6)
+    assert added(4) == pytest.approx(4 * 6144 * 960 / 4e9, rel=1e-6)
+    assert added(8) == pytest.approx(8 * 6144 * 960 / 4e9, rel=1e-6)
+    assert added(2, decode=False, q=16) == pytest.approx(2 * 6144 * 960 / 1e9, rel=1e-6)
 
 
 def _kv_bytes(profile, fill):
