@@ -133,8 +133,9 @@ class _Model:
 
 def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings) -> Device:
     """`host` with the figures that make the speed model reproduce the engine timings `t`:
-    kv_bandwidth, kv_cached_bytes, kv_batch_bandwidth (and kv_batch_rows), decode_flops, layer_overhead_s, step_overhead_s, unpack_bandwidth, compute_flops,
-    causal_attention_flops and attention_flops (its memory bandwidth stays as given).
+    kv_bandwidth, kv_cached_bytes, kv_batch_bandwidth (and kv_batch_rows), decode_flops, layer_overhead_s,
+    step_overhead_s, unpack_bandwidth, compute_flops, causal_attention_flops and attention_flops (its
+    memory bandwidth stays as given).
 
     The matmul overhead goes to zero: the engine runs the same matmuls in every layer, so the fixed
     cost of each call is part of what the per-layer overhead measures (and the head's, of the
@@ -231,8 +232,9 @@ def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
 def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
     """kv_batch_bandwidth (at kv_batch_rows = t.batch rows) from the batch's decode timings at the
     long fill against the short one, with one sequence's figures (_fit_kv) in place: the rate at
-    which the batch's KV beyond the caches reads. None where one sequence's timings are missing
-    (the batch's then gave kv_bandwidth itself) or the batch's long fill cost nothing to see."""
+    which the batch's KV beyond the caches reads. Left at 0 (every step at kv_bandwidth) where one
+    sequence's timings are missing (the batch's then gave kv_bandwidth itself) or the batch's long
+    fill cost nothing to see."""
     if t.decode_long_s is None or t.batch <= 1:
         return h
     x = replace(h, kv_batch_rows=t.batch)
