@@ -86,9 +86,9 @@ def _kv_rate(device: Device, rows: int) -> float:
     counts an engine calibration times). On 2 Zen 3 cores four sequences over 2060 cached tokens read
     their KV about twice as fast per byte as one sequence did (docs/layerplan.md)."""
     one = device.kv_bandwidth or device.memory_bandwidth
-    if not device.kv_batch_bandwidth or device.kv_batch_rows <= 1 or rows <= 1:
+    if not device.kv_batch_bandwidth or device.kv_batch_rows <= 1:
         return one
-    share = min(1.0, (rows - 1) / (device.kv_batch_rows - 1))
+    share = min(1.0, max(0, rows - 1) / (device.kv_batch_rows - 1))
     return one + share * (device.kv_batch_bandwidth - one)
 
 

@@ -652,60 +652,65 @@ static inline __attribute__((always_inline)) void steps_sum_rows(const __m256i* 
 }
 #endif
 
+// The float steps of a lane-layout product, shared by both builds so that their bits stay equal:
+// a part's int32 sums s times its weight scales a (8 lanes) and the activation's scale d, and a
+// half's weight offsets b (8 lanes) times the activation's code sum term sx.
+static inline __attribute__((always_inline)) void lane_scaled(__m256& acc, __m256i s, const float* a, __m256 d) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_loadu_ps(a), d), acc);
+}
+static inline __attribute__((always_inline)) void lane_offset(__m256& acc, const float* b, const float* sx) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(b), _mm256_broadcast_ss(sx), acc);
+}
+
 // Group g of 8 weight rows (codes q[0..8), scales ab as in Tile8) times activation rows m0 ..
 // m0 + R - 1, added to acc: the arithmetic of every lane-layout product, whether the group comes
-// from a tile (tile_rows) or straight from the file (direct_rows). The float steps per row are
-// the same in both builds, in the same order.
+// from a tile (tile_rows) or straight from the file (direct_rows). Per row, the same float steps
+// in the same order in both builds.
 template <int QT, int R>
 static inline __attribute__((always_inline)) void lane_group(const __m256i* q, const float* ab, int64_t g, const QX& qx,
                                                              int64_t m0, __m256i ones, __m256* acc) {
     const int64_t K = qx.K, G = K / 32;
+    const float* dx = qx.d + m0 * G + g;               // row r's activation scale: dx[r * G]
 #ifdef LOCALRUN_VNNI
     (void)ones;
-    const uint8_t* xs = (const uint8_t*)(qx.qs + m0 * K);
-    const float* dx = qx.d + m0 * G;
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
-        const uint8_t* x = xs + r * K + 32 * g;
-        const __m256 d = _mm256_broadcast_ss(dx + r * G + g);
+        const uint8_t* x = (const uint8_t*)(qx.qs + (m0 + r) * K) + 32 * g;
+        const __m256 d = _mm256_broadcast_ss(dx + r * G);
         if constexpr (HALVES<QT>) {
             const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 4)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 4, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), d), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(sh), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 24), _mm256_broadcast_ss(sh + 1), acc[r]);
+            lane_scaled(acc[r], steps_sum<QT>(q, x, 0, 4), ab, d);
+            lane_scaled(acc[r], steps_sum<QT>(q, x, 4, 8), ab + 8, d);
+            lane_offset(acc[r], ab + 16, sh);
+            lane_offset(acc[r], ab + 24, sh + 1);
         } else {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(steps_sum<QT>(q, x, 0, 8)), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(qx.sxg + (m0 + r) * G + g), acc[r]);
+            lane_scaled(acc[r], steps_sum<QT>(q, x, 0, 8), ab, d);
+            lane_offset(acc[r], ab + 16, qx.sxg + (m0 + r) * G + g);
         }
     }
 #else
     const uint8_t* xr[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) xr[r] = (const uint8_t*)(qx.qs + (m0 + r) * K) + 32 * g;
-    const float* dx = qx.d + m0 * G;
     __m256i s[R];
     if constexpr (HALVES<QT>) {
         steps_sum_rows<QT, R>(q, xr, 0, 4, ones, s);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(_mm256_loadu_ps(ab), _mm256_broadcast_ss(dx + r * G + g)), acc[r]);
+        for (int r = 0; r < R; r++) lane_scaled(acc[r], s[r], ab, _mm256_broadcast_ss(dx + r * G));
         steps_sum_rows<QT, R>(q, xr, 4, 8, ones, s);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m256 d = _mm256_broadcast_ss(dx + r * G + g);
             const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(_mm256_loadu_ps(ab + 8), d), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(sh), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 24), _mm256_broadcast_ss(sh + 1), acc[r]);
+            lane_scaled(acc[r], s[r], ab + 8, _mm256_broadcast_ss(dx + r * G));
+            lane_offset(acc[r], ab + 16, sh);
+            lane_offset(acc[r], ab + 24, sh + 1);
         }
     } else {
         steps_sum_rows<QT, R>(q, xr, 0, 8, ones, s);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m256 d = _mm256_broadcast_ss(dx + r * G + g);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(_mm256_loadu_ps(ab), d), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 16), _mm256_broadcast_ss(qx.sxg + (m0 + r) * G + g), acc[r]);
+            lane_scaled(acc[r], s[r], ab, _mm256_broadcast_ss(dx + r * G));
+            lane_offset(acc[r], ab + 16, qx.sxg + (m0 + r) * G + g);
         }
     }
 #endif
