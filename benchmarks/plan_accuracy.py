@@ -43,7 +43,10 @@ calibrated). It explains a ratio; it does not correct one.
 Each ratio is measured over predicted. Targets (issue 20): memory 0.95-1.05; decode and prefill
 0.87-1.15 after --measure on a quiet machine. Prints a table, then one JSON object as the last line.
 
-    .venv/bin/python benchmarks/plan_accuracy.py [--model gemma3-270m] [--runs 512x1 4096x1 512x4] [--tokens 32] [--passes 8]
+A run may name the engine's KV type (`2048x1:int8`; default: the engine's own, f16): the plan is
+then for that type, as `localrun plan --kv-type` makes it.
+
+    .venv/bin/python benchmarks/plan_accuracy.py [--model gemma3-270m] [--runs 512x1 4096x1 512x4 2048x1:int8] [--tokens 32] [--passes 8]
 """
 from __future__ import annotations
 
@@ -76,7 +79,7 @@ def _rss_bytes(trim: bool) -> int:
     return psutil.Process().memory_info().rss
 
 
-def worker(path: str, n_ctx: int, n_parallel: int, max_tokens: int, threads: int, passes: int) -> dict:
+def worker(path: str, n_ctx: int, n_parallel: int, kv: str | None, max_tokens: int, threads: int, passes: int) -> dict:
     """Load the engine, fill every sequence's context, report memory and speed (own process)."""
     import torch
 
@@ -93,7 +96,7 @@ def worker(path: str, n_ctx: int, n_parallel: int, max_tokens: int, threads: int
     warm.generate("Hello", max_tokens=2)                   # first use, op set-up) are not the model's: pay
     del warm                                               # them, free the model, then measure from there
     before = _rss_bytes(trim=True)
-    llm = localrun.LLM(path, n_ctx=n_ctx, n_parallel=n_parallel, n_threads=threads, kv_watermark=0.0)
+    llm = localrun.LLM(path, n_ctx=n_ctx, n_parallel=n_parallel, n_threads=threads, kv_watermark=0.0, kv_type=kv)
     n_prompt = n_ctx - max_tokens - 1
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0)
     rows, resident = [], None
@@ -138,12 +141,13 @@ def worker(path: str, n_ctx: int, n_parallel: int, max_tokens: int, threads: int
             "other_cpu": max(others) if others else None, "quiet": decode["quiet"] and prefill["quiet"]}
 
 
-def _run_worker(path, n_ctx: int, n_parallel: int, max_tokens: int, threads: int, passes: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", str(path), "--runs", f"{n_ctx}x{n_parallel}",
+def _run_worker(path, n_ctx: int, n_parallel: int, kv: str | None, max_tokens: int, threads: int, passes: int) -> dict:
+    run = f"{n_ctx}x{n_parallel}" + (f":{kv}" if kv else "")
+    cmd = [sys.executable, __file__, "--worker", str(path), "--runs", run,
            "--tokens", str(max_tokens), "--threads", str(threads), "--passes", str(passes)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"worker for {n_ctx}x{n_parallel} failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"worker for {run} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -171,9 +175,11 @@ def predict(path, measured: dict, calibration) -> dict:
             "decode_tok_s": speed.decode_tok_s, "prefill_tok_s": speed.prefill_tok_s}
 
 
-def _parse_run(text: str) -> tuple[int, int]:
-    ctx, _, par = text.partition("x")
-    return int(ctx), int(par or 1)
+def _parse_run(text: str) -> tuple[int, int, str | None]:
+    """CTXxPARALLEL[:KV] -> (n_ctx, n_parallel, the engine's KV type or None for its default)."""
+    shape, _, kv = text.partition(":")
+    ctx, _, par = shape.partition("x")
+    return int(ctx), int(par or 1), kv or None
 
 
 def main() -> None:
@@ -215,8 +221,8 @@ def main() -> None:
     measure_s = time.perf_counter() - started
 
     rows = []
-    for n_ctx, n_parallel in runs:
-        measured = _run_worker(path, n_ctx, n_parallel, args.tokens, threads, args.passes)
+    for n_ctx, n_parallel, kv in runs:
+        measured = _run_worker(path, n_ctx, n_parallel, kv, args.tokens, threads, args.passes)
         predicted = predict(path, measured, calibration)
         rows.append({"measured": measured, "predicted": predicted,
                      "memory_ratio": measured["resident_bytes"] / predicted["resident_bytes"],
@@ -235,13 +241,13 @@ def main() -> None:
           f"decode {(c.host_decode_flops or c.host_flops) / 1e9:.1f} GFLOP/s, "
           f"{(c.host_layer_overhead_s or 0) * 1e3:.3f} ms per layer, {(c.host_step_overhead_s or 0) * 1e3:.2f} ms per step")
     print(f"engine calibration: {c.engine_model}")
-    print(f"{'run':>8} {'resident MiB':>13} {'ledger':>8} {'ratio':>6}  {'decode':>7} {'pred':>7} {'ratio':>6}  "
+    print(f"{'run':>13} {'resident MiB':>13} {'ledger':>8} {'ratio':>6}  {'decode':>7} {'pred':>7} {'ratio':>6}  "
           f"{'prefill':>8} {'pred':>8} {'ratio':>6}  {'others':>6} {'host':>6}")
     for r in rows:
         m, p = r["measured"], r["predicted"]
         others = "-" if m["other_cpu"] is None else f"{m['other_cpu']:.2f}"
         host = "-" if r["host_speed"] is None else f"{r['host_speed']:.3f}"
-        print(f"{m['n_ctx']:>6}x{m['n_parallel']} {m['resident_bytes'] / mib:>13.1f} {p['resident_bytes'] / mib:>8.1f} "
+        print(f"{m['n_ctx']:>6}x{m['n_parallel']}:{m['kv_type']:<4} {m['resident_bytes'] / mib:>13.1f} {p['resident_bytes'] / mib:>8.1f} "
               f"{r['memory_ratio']:>6.3f}  {m['decode_tok_s']:>7.1f} {p['decode_tok_s']:>7.1f} {r['decode_ratio']:>6.3f}  "
               f"{m['prefill_tok_s']:>8.1f} {p['prefill_tok_s']:>8.1f} {r['prefill_ratio']:>6.3f}  {others:>6} {host:>6}")
     quiet_runs = all(r["measured"]["quiet"] for r in rows) and not c.suspect
@@ -259,11 +265,12 @@ def main() -> None:
                         "kv_gb_s": round((c.host_kv_bandwidth or 0) / 1e9, 2),
                         "kv_batch_gb_s": round((c.host_kv_batch_bandwidth or 0) / 1e9, 2),
                         "kv_cached_mb": round((c.host_kv_cached_bytes or 0) / 1e6, 1),
+                        "kv_decode_gflops": {k: round(v / 1e9, 1) for k, v in (c.host_kv_decode_flops or {}).items()},
                         "layer_overhead_ms": round((c.host_layer_overhead_s or 0) * 1e3, 3),
                         "step_overhead_ms": round((c.host_step_overhead_s or 0) * 1e3, 3),
                         "reference_step_ms": round((c.engine_reference_s or 0) * 1e3, 2),
                         "engine": c.engine_model},
-        "runs": [{"n_ctx": r["measured"]["n_ctx"], "parallel": r["measured"]["n_parallel"],
+        "runs": [{"n_ctx": r["measured"]["n_ctx"], "parallel": r["measured"]["n_parallel"], "kv": r["measured"]["kv_type"],
                   "resident_mib": round(r["measured"]["resident_bytes"] / mib, 1),
                   "predicted_resident_mib": round(r["predicted"]["resident_bytes"] / mib, 1),
                   "memory_ratio": round(r["memory_ratio"], 3),

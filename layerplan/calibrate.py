@@ -45,8 +45,8 @@ CALIBRATION_FILE = "calibration.json"
 # kernel (prompt_math int8: 1.5-2x the prefill of the float path), and AVX-512 multiplies 9 or more
 # rows 16 lanes per register; 6: decode over a third cache fill, and the KV bytes the CPU's caches
 # hold between steps, free in the model; 7: the AVX2 lane kernel's 6-row passes, and a decode batch's
-# own KV read rate).
-SPEED_MODEL_REVISION = 7
+# own KV read rate; 8: decode attention's rate over an int8 or fp8 cache, timed on its own).
+SPEED_MODEL_REVISION = 8
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 DRIFT_LIMIT = 0.10   # an engine calibration whose first timing, retaken last, moved by more is suspect
@@ -91,6 +91,8 @@ class Calibration:
     drift: float | None = None       # the engine calibration's first timing retaken last: slower over faster - 1
     engine_reference_s: float | None = None  # that timing (one sequence, short fill, all layers), seconds: a later
                                              # run times it again to see how far the machine's speed moved since
+    host_kv_decode_flops: dict[str, float] | None = None  # KV type -> flop/s of decode attention over such a cache
+                                                          # (engine calibration, the quantized types it times)
 
     @property
     def suspect_cause(self) -> str:
@@ -396,6 +398,7 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    unpack_bandwidth=calibration.host_unpack_bandwidth or 0.0,
                    attention_flops=calibration.host_attention_flops or 0.0,
                    causal_attention_flops=calibration.host_causal_attention_flops or 0.0,
+                   kv_decode_flops=tuple(sorted((calibration.host_kv_decode_flops or {}).items())),
                    source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
                            + (f", suspect: {calibration.suspect_cause}" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

@@ -23,6 +23,11 @@ before it (bisection on the model, which is monotone in each):
      against the first n_layers_short;
   4. per-step overhead: the whole stack's decode step less its layers and head.
 
+Last, for each other KV type the engine was timed with (one sequence at the short and the long
+fill over an int8 or fp8 cache), the rate of decode attention over that type (`_fit_kv_types`):
+its bytes read as the calibration's own type's do, so what its long fill costs beyond them is
+the kernel's widening and scaling of each value.
+
 The prompt figures act together in every prompt step, so they are solved together, by damped
 Newton steps on the logarithms of the figures and of the timings (`_solve_logs`, least squares);
 still, each kind of timing mostly decides one figure:
@@ -75,6 +80,8 @@ class EngineTimings:
     decode_long_s: float | None = None   # one sequence, long fill, all layers (None: a calibration from before it)
     fill_longer: float | None = None     # a third fill, past the long one (None: not timed)
     decode_longer_s: float | None = None  # one sequence, the third fill, all layers
+    kv_types: tuple[tuple[str, float, float], ...] = ()  # (another KV type, one sequence's step at fill_short,
+                                                         # at fill_long) on an engine with a cache of that type
 
 
 def _solve_rate(seconds_at, target: float, unseen: float) -> float:
@@ -98,6 +105,7 @@ class _Model:
 
     def __init__(self, profile: ModelProfile, kv_type: str):
         self.profile, self.kv_type = profile, kv_type
+        self.kv_name = PlanSettings(n_ctx=1, kv_type=kv_type).kv.name    # layerplan's name of the type
         self._layouts = {}
 
     def decode(self, host: Device, n_seqs: int, fill: float, n_layers: int | None = None) -> float:
@@ -134,8 +142,8 @@ class _Model:
 def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings) -> Device:
     """`host` with the figures that make the speed model reproduce the engine timings `t`:
     kv_bandwidth, kv_cached_bytes, kv_batch_bandwidth (and kv_batch_rows), decode_flops, layer_overhead_s,
-    step_overhead_s, unpack_bandwidth, compute_flops, causal_attention_flops and attention_flops (its
-    memory bandwidth stays as given).
+    step_overhead_s, unpack_bandwidth, compute_flops, causal_attention_flops, attention_flops and
+    kv_decode_flops (its memory bandwidth stays as given).
 
     The matmul overhead goes to zero: the engine runs the same matmuls in every layer, so the fixed
     cost of each call is part of what the per-layer overhead measures (and the head's, of the
@@ -144,10 +152,10 @@ def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings
     of the engine takes, and the model then predicts every decode step slower than measured
     whatever the other figures are (docs/layerplan.md has the case)."""
     m = _Model(profile, kv_type)
-    h = replace(host, unpack_bandwidth=0.0, matmul_overhead_s=0.0)
+    h = replace(host, unpack_bandwidth=0.0, matmul_overhead_s=0.0, kv_decode_flops=())
     for _ in range(3):    # decode attention's roofline reads attention_flops, found last: go round again
         h = _fit_once(m, replace(h, layer_overhead_s=0.0, step_overhead_s=0.0), t)
-    return h
+    return _fit_kv_types(profile, h, t)
 
 
 def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
@@ -246,6 +254,25 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
     return replace(x, kv_batch_bandwidth=rate) if rate else h
 
 
+def _fit_kv_types(profile: ModelProfile, h: Device, t: EngineTimings) -> Device:
+    """kv_decode_flops: for each other KV type timed, the rate of decode attention over such a cache
+    that makes one sequence's long fill cost what it did over its short fill, with every other
+    figure as fitted on the calibration's own type (the same caches and bandwidth for its bytes).
+    A type whose long fill cost no more than its bytes' reading (the roofline's other side) gets
+    no rate of its own."""
+    rates = []
+    for name, short_s, long_s in t.kv_types:
+        m = _Model(profile, name)
+
+        def fill_cost(rate: float) -> float:
+            x = replace(h, kv_decode_flops=((m.kv_name, rate),))
+            return m.decode(x, 1, t.fill_long) - m.decode(x, 1, t.fill_short)
+        rate = _solve_rate(fill_cost, long_s - short_s, 0.0)
+        if rate:
+            rates.append((m.kv_name, rate))
+    return replace(h, kv_decode_flops=tuple(sorted(rates)))
+
+
 def _solve_logs(seconds_of, measured: list[float], start: list[float], iterations: int = 200) -> list[float]:
     """Logs of rates (within RATE_RANGE) at which seconds_of(logs) matches `measured` best, in
     least squares of log(modelled / measured): damped Newton (Levenberg-Marquardt), the Jacobian
@@ -313,6 +340,8 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
             **({"decode_long": t.decode_long_s / m.decode(host, 1, t.fill_long)} if t.decode_long_s is not None else {}),
             **({"decode_longer": t.decode_longer_s / m.decode(host, 1, t.fill_longer)}
                if t.decode_longer_s is not None and t.fill_longer else {}),
+            **{f"decode_long_{name}": long_s / _Model(profile, name).decode(host, 1, t.fill_long)
+               for name, _, long_s in t.kv_types},
             **{f"prefill_{n}": s / m.prefill(host, n) for n, s in zip(t.prompt_tokens, t.prefill_s)},
             "prefill_split": t.prefill_split_s / m.prefill(host, t.attention_tokens, n_prompts=t.batch),
             "prefill_cached": t.prefill_cached_s / m.prefill(host, t.attention_tokens, t.attention_tokens)}

@@ -168,10 +168,16 @@ class _Step:
         return sum(per_device), per_device
 
     def _layer_attention(self, il: int, layer: LayerProfile, entries, decode: bool) -> tuple[float, float]:
-        """(KV bytes read, seconds of its flops) of layer il's attention in a step of `entries`."""
+        """(KV bytes read, seconds of its flops) of layer il's attention in a step of `entries`. Decode
+        rows over a cache of a type the device's kv_decode_flops names run at that rate: on 2 Zen 3
+        cores an int8 cache's decode attention took as long as float16's at 2048 cached tokens
+        (its bytes, half float16's, then nearly fit the CPU's caches, but each is widened and
+        scaled in the kernel; docs/layerplan.md)."""
         kv_device = self.devices[self.placement.kv_devices[il]]
         masked_rate = kv_device.attention_flops or kv_device.compute_flops
         causal_rate = kv_device.causal_attention_flops or masked_rate
+        if decode:
+            masked_rate = dict(kv_device.kv_decode_flops).get(self.settings.kv.name) or masked_rate
         a_bytes, flops_s = 0.0, 0.0
         for n_queries, n_cached in entries:
             parts = ((n_cached, False),) if decode else chunk_parts(n_cached, n_queries, layer.sliding_window)

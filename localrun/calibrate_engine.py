@@ -11,6 +11,9 @@ times the engine's own steps (`engine.step()`, one by one):
   head) and through all of them, and at a long and a longer fill (what the CPU's caches keep of
   the KV cache between steps, and the bandwidth past them), on engines built for one sequence;
 - decode steps of BATCH sequences at the short fill and at a long one;
+- decode steps of one sequence at the short and the long fill over each of OTHER_KV_TYPES (an
+  int8 or fp8 cache is half float16's bytes, but the kernel widens and scales each value: on 2
+  Zen 3 cores its decode steps at 2048 cached tokens were as slow as float16's);
 - the single prompt step of prompts of several sizes from an empty cache, of ATTENTION_TOKENS
   tokens as BATCH prompts, and of ATTENTION_TOKENS tokens after as many cached ones (a
   prefix-cache hit): a fixed cost per step, a cost per token, and attention (causal from an
@@ -46,6 +49,7 @@ FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up),
 SHORT_FILL, LONG_FILL, LONGER_FILL = 32, 2048, 4096   # prompt tokens before the timed decode steps (within the
                                                       # trained context); the longer one on one sequence only
 BATCH = 4                     # sequences in the batched decode timings
+OTHER_KV_TYPES = ("int8", "fp8")  # the engine's quantized caches, timed besides the default one
 PROMPT_SIZES = (128, 384, 1024, 1536)   # prompts whose single prefill step is timed (within a short context)
 ATTENTION_TOKENS = 1024       # prompt tokens of the two attention timings
 DECODE_STEPS = 24             # tokens generated per decode timing
@@ -142,13 +146,15 @@ def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S,
 class _Engine:
     """One engine built as `localrun.LLM` builds it, running the model's first n_layers (None: all)."""
 
-    def __init__(self, path, n_layers: int | None, n_ctx: int, n_parallel: int, threads: int | None):
+    def __init__(self, path, n_layers: int | None, n_ctx: int, n_parallel: int, threads: int | None,
+                 kv_type: str | None = None):
         import localrun
         from localrun.engine.draft_model import self_draft
         from localrun.sampling_params import SamplingParams
 
         # no admission watermark: BATCH sequences of a full context are all admitted at once
-        self.llm = localrun.LLM(path, n_ctx=n_ctx, n_parallel=n_parallel, n_threads=threads, kv_watermark=0.0)
+        self.llm = localrun.LLM(path, n_ctx=n_ctx, n_parallel=n_parallel, n_threads=threads, kv_watermark=0.0,
+                                kv_type=kv_type)
         if n_layers is not None and n_layers < self.llm.config.n_layers:
             self.llm.model = self_draft(self.llm.model, n_layers)   # before the engine is built from it
         self.n_vocab = self.llm.config.n_vocab
@@ -222,12 +228,17 @@ def measure_timings(path, threads: int | None = None):
     single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
     short_s, long_s, *longer = timed(single.decode(1, SHORT_FILL, long_fill, *([longer_fill] if longer_fill else [])))
     (again_s,) = timed(single.decode(1, SHORT_FILL))   # the machine's speed may have moved meanwhile
+    kv_type = single.llm.kv_type or default_kv_type(single.llm.dtype)
     del single
+    other_kv = []
+    for name in (k for k in OTHER_KV_TYPES if k != kv_type):
+        engine = _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads, kv_type=name)
+        other_kv.append((name, *timed(engine.decode(1, SHORT_FILL, long_fill))))
+        del engine
     drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
     batch_s, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, long_fill))
     *prefill_s, split_s, cached_s = timed(full.prefill(sizes, n))
-    kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
                             fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
@@ -235,7 +246,7 @@ def measure_timings(path, threads: int | None = None):
                             prefill_s=tuple(prefill_s), attention_tokens=n, prefill_split_s=split_s,
                             prefill_cached_s=cached_s, decode_long_s=long_s,
                             fill_longer=longer_fill + middle if longer_fill else None,
-                            decode_longer_s=longer[0] if longer else None)
+                            decode_longer_s=longer[0] if longer else None, kv_types=tuple(other_kv))
     others = [o for o, _ in records if o is not None]
     return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
 
@@ -271,7 +282,8 @@ def read_timings(line: str):
 
     out = json.loads(line)
     t = out["timings"]
-    timings = EngineTimings(**{**t, "prompt_tokens": tuple(t["prompt_tokens"]), "prefill_s": tuple(t["prefill_s"])})
+    timings = EngineTimings(**{**t, "prompt_tokens": tuple(t["prompt_tokens"]), "prefill_s": tuple(t["prefill_s"]),
+                               "kv_types": tuple(tuple(k) for k in t.get("kv_types", ()))})
     return timings, out["kv_type"], out["other_cpu"], out["quiet"], out.get("drift")
 
 
@@ -312,6 +324,7 @@ def measure_engine(path, calibration, threads: int | None = None):
         host_decode_flops=fitted.decode_flops,
         host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
+        host_kv_decode_flops=dict(fitted.kv_decode_flops) or None,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
         suspect=calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT),
         drift=drift, engine_reference_s=t.decode_short_s,
@@ -325,7 +338,9 @@ def measure_engine(path, calibration, threads: int | None = None):
                       + ", ".join(f"{s * 1e3:.0f} ms for {n} tokens" for n, s in zip(t.prompt_tokens, t.prefill_s))
                       + f", {t.prefill_split_s * 1e3:.0f} ms for {t.batch} prompts of {t.attention_tokens // t.batch}"
                       f", {t.prefill_cached_s * 1e3:.0f} ms for {t.attention_tokens} after as many cached; "
-                      f"the model reproduces these within {worst:.1%} (worst: {worst_name})"
+                      + "".join(f"{name} KV: {short * 1e3:.2f} ms, {long * 1e3:.2f} ms at {t.fill_long:.0f} cached; "
+                                for name, short, long in t.kv_types)
+                      + f"the model reproduces these within {worst:.1%} (worst: {worst_name})"
                       + (f"; the first timing, retaken last, moved by {drift:.1%}" if drift is not None else "")),
         backend="engine",
     )
