@@ -265,7 +265,8 @@ def main() -> None:
                         "kv_gb_s": round((c.host_kv_bandwidth or 0) / 1e9, 2),
                         "kv_batch_gb_s": round((c.host_kv_batch_bandwidth or 0) / 1e9, 2),
                         "kv_cached_mb": round((c.host_kv_cached_bytes or 0) / 1e6, 1),
-                        "kv_decode_gflops": {k: round(v / 1e9, 1) for k, v in (c.host_kv_decode_flops or {}).items()},
+                        "kv_decode_gflops": {k: [round(one / 1e9, 1), round(batch / 1e9, 1)]
+                                             for k, (one, batch, _) in (c.host_kv_decode_flops or {}).items()},
                         "layer_overhead_ms": round((c.host_layer_overhead_s or 0) * 1e3, 3),
                         "step_overhead_ms": round((c.host_step_overhead_s or 0) * 1e3, 3),
                         "reference_step_ms": round((c.engine_reference_s or 0) * 1e3, 2),

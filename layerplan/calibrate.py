@@ -91,8 +91,9 @@ class Calibration:
     drift: float | None = None       # the engine calibration's first timing retaken last: slower over faster - 1
     engine_reference_s: float | None = None  # that timing (one sequence, short fill, all layers), seconds: a later
                                              # run times it again to see how far the machine's speed moved since
-    host_kv_decode_flops: dict[str, float] | None = None  # KV type -> flop/s of decode attention over such a cache
-                                                          # (engine calibration, the quantized types it times)
+    host_kv_decode_flops: dict[str, list[float]] | None = None  # KV type -> [flop/s of one decode row's attention
+                                                # over such a cache, of a batch's, the batch's rows] (engine
+                                                # calibration, the quantized types it times)
 
     @property
     def suspect_cause(self) -> str:
@@ -398,7 +399,8 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    unpack_bandwidth=calibration.host_unpack_bandwidth or 0.0,
                    attention_flops=calibration.host_attention_flops or 0.0,
                    causal_attention_flops=calibration.host_causal_attention_flops or 0.0,
-                   kv_decode_flops=tuple(sorted((calibration.host_kv_decode_flops or {}).items())),
+                   kv_decode_flops=tuple((name, one, batch, int(rows)) for name, (one, batch, rows)
+                                         in sorted((calibration.host_kv_decode_flops or {}).items())),
                    source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
                            + (f", suspect: {calibration.suspect_cause}" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

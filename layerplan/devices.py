@@ -31,9 +31,10 @@ class Device:
                                    # sliding window's masked kernel); 0: compute_flops
     causal_attention_flops: float = 0.0  # flop/s of a prompt chunk's causal attention over its own tokens (a
                                          # causal kernel that skips the masked half); 0: attention_flops
-    kv_decode_flops: tuple[tuple[str, float], ...] = ()  # (KV type, flop/s) of decode rows' attention over a cache of
-                                                         # that type where it was measured (a quantized cache is widened
-                                                         # in the kernel: compute its bytes do not show); else attention_flops
+    kv_decode_flops: tuple[tuple[str, float, float, int], ...] = ()  # (KV type, flop/s of one decode row's attention
+                                                         # over a cache of that type, flop/s from `rows` rows on, rows)
+                                                         # where it was measured: a quantized cache is widened in the
+                                                         # kernel, compute its bytes do not show; else attention_flops
     source: str = "preset"         # where the figures come from: nvml, torch, preset, --vram, psutil, measured
     index: int | None = None       # the CUDA device index, for GPUs found on this machine
 

@@ -23,10 +23,11 @@ before it (bisection on the model, which is monotone in each):
      against the first n_layers_short;
   4. per-step overhead: the whole stack's decode step less its layers and head.
 
-Last, for each other KV type the engine was timed with (one sequence at the short and the long
-fill over an int8 or fp8 cache), the rate of decode attention over that type (`_fit_kv_types`):
-its bytes read as the calibration's own type's do, so what its long fill costs beyond them is
-the kernel's widening and scaling of each value.
+Last, for each other KV type the engine was timed with (one sequence and `batch` sequences, each
+at the short and the long fill, over an int8 or fp8 cache), the rates of decode attention over
+that type for one row and for the batch (`_fit_kv_types`): its bytes read as the calibration's own
+type's do, so what its long fill costs beyond them is the kernel's widening and scaling of each
+value.
 
 The prompt figures act together in every prompt step, so they are solved together, by damped
 Newton steps on the logarithms of the figures and of the timings (`_solve_logs`, least squares);
@@ -80,8 +81,9 @@ class EngineTimings:
     decode_long_s: float | None = None   # one sequence, long fill, all layers (None: a calibration from before it)
     fill_longer: float | None = None     # a third fill, past the long one (None: not timed)
     decode_longer_s: float | None = None  # one sequence, the third fill, all layers
-    kv_types: tuple[tuple[str, float, float], ...] = ()  # (another KV type, one sequence's step at fill_short,
-                                                         # at fill_long) on an engine with a cache of that type
+    kv_types: tuple[tuple[str, float, float, float, float], ...] = ()  # (another KV type, seconds per decode
+                                     # step over a cache of that type: one sequence at fill_short, at fill_long,
+                                     # `batch` sequences at fill_short, at fill_long)
 
 
 def _solve_rate(seconds_at, target: float, unseen: float) -> float:
@@ -255,21 +257,25 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
 
 
 def _fit_kv_types(profile: ModelProfile, h: Device, t: EngineTimings) -> Device:
-    """kv_decode_flops: for each other KV type timed, the rate of decode attention over such a cache
-    that makes one sequence's long fill cost what it did over its short fill, with every other
-    figure as fitted on the calibration's own type (the same caches and bandwidth for its bytes).
-    A type whose long fill cost no more than its bytes' reading (the roofline's other side) gets
-    no rate of its own."""
+    """kv_decode_flops: for each other KV type timed, the rates of decode attention over such a cache
+    that make its long fill cost what it did over its short fill, first for one sequence, then for
+    the batch (with one's in place), every other figure as fitted on the calibration's own type
+    (the same caches and bandwidth for its bytes). A type whose one-sequence long fill cost no more
+    than reading its bytes (the roofline's other side) gets no rates of its own; a batch whose long
+    fill did, UNSEEN_RATE (its flops never bind)."""
     rates = []
-    for name, short_s, long_s in t.kv_types:
+    for name, short_s, long_s, batch_s, batch_long_s in t.kv_types:
         m = _Model(profile, name)
 
-        def fill_cost(rate: float) -> float:
-            x = replace(h, kv_decode_flops=((m.kv_name, rate),))
-            return m.decode(x, 1, t.fill_long) - m.decode(x, 1, t.fill_short)
-        rate = _solve_rate(fill_cost, long_s - short_s, 0.0)
-        if rate:
-            rates.append((m.kv_name, rate))
+        def fill_cost(one: float, batch: float, rows: int) -> float:
+            x = replace(h, kv_decode_flops=((m.kv_name, one, batch, t.batch),))
+            return m.decode(x, rows, t.fill_long) - m.decode(x, rows, t.fill_short)
+        one = _solve_rate(lambda r: fill_cost(r, 0.0, 1), long_s - short_s, 0.0)
+        if not one:
+            continue
+        batch = (_solve_rate(lambda r: fill_cost(one, r, t.batch), batch_long_s - batch_s, UNSEEN_RATE)
+                 if t.batch > 1 else 0.0)
+        rates.append((m.kv_name, one, batch, t.batch))
     return replace(h, kv_decode_flops=tuple(sorted(rates)))
 
 
@@ -340,8 +346,9 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
             **({"decode_long": t.decode_long_s / m.decode(host, 1, t.fill_long)} if t.decode_long_s is not None else {}),
             **({"decode_longer": t.decode_longer_s / m.decode(host, 1, t.fill_longer)}
                if t.decode_longer_s is not None and t.fill_longer else {}),
-            **{f"decode_long_{name}": long_s / _Model(profile, name).decode(host, 1, t.fill_long)
-               for name, _, long_s in t.kv_types},
+            **{f"decode_long_{k[0]}": k[2] / _Model(profile, k[0]).decode(host, 1, t.fill_long) for k in t.kv_types},
+            **{f"decode_batch_long_{k[0]}": k[4] / _Model(profile, k[0]).decode(host, t.batch, t.fill_long)
+               for k in t.kv_types},
             **{f"prefill_{n}": s / m.prefill(host, n) for n, s in zip(t.prompt_tokens, t.prefill_s)},
             "prefill_split": t.prefill_split_s / m.prefill(host, t.attention_tokens, n_prompts=t.batch),
             "prefill_cached": t.prefill_cached_s / m.prefill(host, t.attention_tokens, t.attention_tokens)}

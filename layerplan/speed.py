@@ -80,16 +80,33 @@ def _attention(layer: LayerProfile, kv_bytes_per_token: float, n_queries: int, n
     return n_bytes, flops
 
 
+def _rows_rate(one: float, batch: float, batch_rows: int, rows: int) -> float:
+    """A rate measured for one decode row (`one`) and for a batch of batch_rows (`batch`; 0: not
+    measured), at `rows` rows: linear in the rows between the two, the batch's from batch_rows on."""
+    if not batch or batch_rows <= 1:
+        return one
+    share = min(1.0, max(0, rows - 1) / (batch_rows - 1))
+    return one + share * (batch - one)
+
+
 def _kv_rate(device: Device, rows: int) -> float:
     """Bytes/s a step with `rows` decode rows reads its KV (beyond the caches) at: kv_bandwidth for
     one row, kv_batch_bandwidth from kv_batch_rows rows on, linear in the rows between (the two row
     counts an engine calibration times). On 2 Zen 3 cores four sequences over 2060 cached tokens read
     their KV about twice as fast per byte as one sequence did (docs/layerplan.md)."""
-    one = device.kv_bandwidth or device.memory_bandwidth
-    if not device.kv_batch_bandwidth or device.kv_batch_rows <= 1:
-        return one
-    share = min(1.0, max(0, rows - 1) / (device.kv_batch_rows - 1))
-    return one + share * (device.kv_batch_bandwidth - one)
+    return _rows_rate(device.kv_bandwidth or device.memory_bandwidth, device.kv_batch_bandwidth,
+                      device.kv_batch_rows, rows)
+
+
+def decode_attention_rate(device: Device, kv_name: str, rows: int) -> float:
+    """Flop/s of the attention of a decode step of `rows` rows over a cache of type kv_name, where the
+    device's kv_decode_flops has that type (0: it has not). On 2 Zen 3 cores an int8 cache's decode
+    attention took as long as float16's at 2048 cached tokens: its bytes, half float16's, then nearly
+    fit the CPU's caches, but each is widened and scaled in the kernel (docs/layerplan.md)."""
+    for name, one, batch, batch_rows in device.kv_decode_flops:
+        if name == kv_name:
+            return _rows_rate(one, batch, batch_rows, rows)
+    return 0.0
 
 
 def _link(a: Device, b: Device) -> Device:
@@ -168,16 +185,13 @@ class _Step:
         return sum(per_device), per_device
 
     def _layer_attention(self, il: int, layer: LayerProfile, entries, decode: bool) -> tuple[float, float]:
-        """(KV bytes read, seconds of its flops) of layer il's attention in a step of `entries`. Decode
-        rows over a cache of a type the device's kv_decode_flops names run at that rate: on 2 Zen 3
-        cores an int8 cache's decode attention took as long as float16's at 2048 cached tokens
-        (its bytes, half float16's, then nearly fit the CPU's caches, but each is widened and
-        scaled in the kernel; docs/layerplan.md)."""
+        """(KV bytes read, seconds of its flops) of layer il's attention in a step of `entries`; decode
+        rows over a cache of a type the device's kv_decode_flops names run at its rate."""
         kv_device = self.devices[self.placement.kv_devices[il]]
         masked_rate = kv_device.attention_flops or kv_device.compute_flops
         causal_rate = kv_device.causal_attention_flops or masked_rate
         if decode:
-            masked_rate = dict(kv_device.kv_decode_flops).get(self.settings.kv.name) or masked_rate
+            masked_rate = decode_attention_rate(kv_device, self.settings.kv.name, len(entries)) or masked_rate
         a_bytes, flops_s = 0.0, 0.0
         for n_queries, n_cached in entries:
             parts = ((n_cached, False),) if decode else chunk_parts(n_cached, n_queries, layer.sliding_window)

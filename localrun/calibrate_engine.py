@@ -11,9 +11,10 @@ times the engine's own steps (`engine.step()`, one by one):
   head) and through all of them, and at a long and a longer fill (what the CPU's caches keep of
   the KV cache between steps, and the bandwidth past them), on engines built for one sequence;
 - decode steps of BATCH sequences at the short fill and at a long one;
-- decode steps of one sequence at the short and the long fill over each of OTHER_KV_TYPES (an
-  int8 or fp8 cache is half float16's bytes, but the kernel widens and scales each value: on 2
-  Zen 3 cores its decode steps at 2048 cached tokens were as slow as float16's);
+- decode steps of one sequence and of BATCH sequences, at the short and the long fill, over each
+  of OTHER_KV_TYPES (an int8 or fp8 cache is half float16's bytes, but the kernel widens and
+  scales each value: on 2 Zen 3 cores one sequence's decode steps at 2048 cached tokens were as
+  slow over int8 as over float16);
 - the single prompt step of prompts of several sizes from an empty cache, of ATTENTION_TOKENS
   tokens as BATCH prompts, and of ATTENTION_TOKENS tokens after as many cached ones (a
   prefix-cache hit): a fixed cost per step, a cost per token, and attention (causal from an
@@ -232,9 +233,12 @@ def measure_timings(path, threads: int | None = None):
     del single
     other_kv = []
     for name in (k for k in OTHER_KV_TYPES if k != kv_type):
-        engine = _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads, kv_type=name)
-        other_kv.append((name, *timed(engine.decode(1, SHORT_FILL, long_fill))))
-        del engine
+        one = _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads, kv_type=name)
+        one_s = timed(one.decode(1, SHORT_FILL, long_fill))
+        del one
+        batch = _Engine(path, None, long_fill + DECODE_STEPS + 16, BATCH, threads, kv_type=name)
+        other_kv.append((name, *one_s, *timed(batch.decode(BATCH, SHORT_FILL, long_fill))))
+        del batch
     drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
     batch_s, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, long_fill))
@@ -324,7 +328,7 @@ def measure_engine(path, calibration, threads: int | None = None):
         host_decode_flops=fitted.decode_flops,
         host_flops=fitted.compute_flops, host_unpack_bandwidth=fitted.unpack_bandwidth or None,
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
-        host_kv_decode_flops=dict(fitted.kv_decode_flops) or None,
+        host_kv_decode_flops={name: [one, batch, rows] for name, one, batch, rows in fitted.kv_decode_flops} or None,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
         suspect=calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT),
         drift=drift, engine_reference_s=t.decode_short_s,
@@ -338,8 +342,9 @@ def measure_engine(path, calibration, threads: int | None = None):
                       + ", ".join(f"{s * 1e3:.0f} ms for {n} tokens" for n, s in zip(t.prompt_tokens, t.prefill_s))
                       + f", {t.prefill_split_s * 1e3:.0f} ms for {t.batch} prompts of {t.attention_tokens // t.batch}"
                       f", {t.prefill_cached_s * 1e3:.0f} ms for {t.attention_tokens} after as many cached; "
-                      + "".join(f"{name} KV: {short * 1e3:.2f} ms, {long * 1e3:.2f} ms at {t.fill_long:.0f} cached; "
-                                for name, short, long in t.kv_types)
+                      + "".join(f"{name} KV: {short * 1e3:.2f} ms, {long * 1e3:.2f} ms at {t.fill_long:.0f} cached, "
+                                f"{batch * 1e3:.2f} ms and {batch_long * 1e3:.2f} ms for {t.batch} sequences; "
+                                for name, short, long, batch, batch_long in t.kv_types)
                       + f"the model reproduces these within {worst:.1%} (worst: {worst_name})"
                       + (f"; the first timing, retaken last, moved by {drift:.1%}" if drift is not None else "")),
         backend="engine",

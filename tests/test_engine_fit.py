@@ -242,42 +242,52 @@ def test_a_long_fill_within_the_caches_puts_what_they_hold_at_its_bytes():
 def test_decode_over_a_cache_type_with_its_own_rate_runs_at_it_and_nothing_else_does():
     """By hand: the caches hold every byte (so only the flops count), 12 layers of 8 heads x (64 +
     64): a decode row over 1000 cached tokens of q8_0 KV at kv_decode_flops' 10 GFLOP/s costs
-    2 x 1000 x 8 x 128 x 12 flops / 10e9 more than at the 150 GFLOP/s of attention_flops; f16
-    decode rows and q8_0 prompt steps keep attention_flops."""
+    2 x 1000 x 8 x 128 x 12 flops / 10e9 more than at the 150 GFLOP/s of attention_flops; 4 rows
+    and more run at the batch's 40 GFLOP/s, 2 rows a third of the way (20); f16 decode rows and
+    q8_0 prompt steps keep attention_flops."""
     profile = _toy()
     plain = replace(TRUE_HOST, kv_cached_bytes=1e12)
-    typed = replace(plain, kv_decode_flops=(("q8_0", 10e9),))
+    typed = replace(plain, kv_decode_flops=(("q8_0", 10e9, 40e9, 4),))
 
-    def step(host, kv, q=1):
-        machine, settings, placement = _host_only(profile, host)
+    def step(host, kv, q=1, rows=1):
+        machine, settings, placement = _host_only(profile, host, n_parallel=rows)
         settings = replace(settings, kv_type=kv)
-        return step_seconds(profile, machine, placement, settings, ((q, 1000.0),), n_logits=1, decode=q == 1)
+        return step_seconds(profile, machine, placement, settings, ((q, 1000.0),) * rows, n_logits=rows,
+                            decode=q == 1)
     flops = 2 * 1000 * 8 * 128 * 12
-    assert step(typed, "q8_0") - step(plain, "q8_0") == pytest.approx(flops / 10e9 - flops / 150e9, rel=1e-6)
+    for rows, rate in ((1, 10e9), (2, 20e9), (4, 40e9), (8, 40e9)):
+        assert step(typed, "q8_0", rows=rows) - step(plain, "q8_0", rows=rows) == pytest.approx(
+            rows * (flops / rate - flops / 150e9), rel=1e-6), rows
     assert step(typed, "int8") == step(typed, "q8_0")          # the engine's name of the same type
     assert step(typed, "f16") == step(plain, "f16")
     assert step(typed, "q8_0", q=16) == step(plain, "q8_0", q=16)
 
 
-def test_another_cache_types_decode_rate_comes_from_its_own_two_fills():
-    """Timings the model predicts for an int8 cache decoded at 20 GFLOP/s (its 1040-token fill
-    bound by the flops: its 3.4 MB of bytes barely pass the 3 MB the caches keep) give that rate
-    back, the calibration's own figures unchanged, and reproduce its long fill; an fp8 cache timed
-    at the plain attention rate gets that rate. Timings whose long fill costs less than the bytes
-    alone give no rate for the type."""
+def test_another_cache_types_decode_rates_come_from_its_own_fills():
+    """Timings the model predicts for an int8 cache decoded at 20 GFLOP/s by one row and 50 by 4
+    (its 1040-token fill bound by the flops: its 3.4 MB of bytes barely pass the 3 MB the caches
+    keep) give those rates back, the calibration's own figures unchanged, and reproduce its long
+    fills; an fp8 cache timed at the plain attention rate gets that rate for one row, and for 4
+    (bound by their bytes) a rate that never binds. Timings whose long fill costs less than the
+    bytes alone give no rate for the type."""
     profile = _toy()
-    truth = replace(TRUE_HOST, kv_decode_flops=(("q8_0", 20e9),))
+    truth = replace(TRUE_HOST, kv_decode_flops=(("q8_0", 20e9, 50e9, 4),))
     q8, fp8 = _Model(profile, "int8"), _Model(profile, "fp8")
-    t = replace(_timings(profile, truth), kv_types=(
-        ("int8", q8.decode(truth, 1, 40.0), q8.decode(truth, 1, 1040.0)),
-        ("fp8", fp8.decode(truth, 1, 40.0), fp8.decode(truth, 1, 1040.0))))
+    t = replace(_timings(profile, truth), kv_types=tuple(
+        (name, m.decode(truth, 1, 40.0), m.decode(truth, 1, 1040.0), m.decode(truth, 4, 40.0), m.decode(truth, 4, 1040.0))
+        for name, m in (("int8", q8), ("fp8", fp8))))
     fitted = fit_host(profile, replace(TRUE_HOST, kv_bandwidth=1e9), "f16", t)
-    rates = dict(fitted.kv_decode_flops)
-    assert rates["q8_0"] == pytest.approx(20e9, rel=1e-3)
-    assert rates["fp8"] == pytest.approx(TRUE_HOST.attention_flops, rel=1e-3)
+    rates = {name: (one, batch, rows) for name, one, batch, rows in fitted.kv_decode_flops}
+    assert rates["q8_0"] == pytest.approx((20e9, 50e9, 4), rel=1e-3)
+    # fp8: one row bound by the flops at the plain rate; 4 rows by their 11 MB past the caches
+    assert rates["fp8"][:2] == pytest.approx((TRUE_HOST.attention_flops, engine_fit.UNSEEN_RATE), rel=1e-3)
     for name in ("kv_bandwidth", "kv_cached_bytes", "attention_flops", "decode_flops"):
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE_HOST, name), rel=1e-3), name
     r = residuals(profile, fitted, "f16", t)
-    assert r["decode_long_int8"] == pytest.approx(1.0, rel=1e-6) and r["decode_long_fp8"] == pytest.approx(1.0, rel=1e-6)
-    free = replace(t, kv_types=(("int8", t.kv_types[0][1], t.kv_types[0][1]),))
+    for key in ("decode_long_int8", "decode_batch_long_int8", "decode_long_fp8", "decode_batch_long_fp8"):
+        assert r[key] == pytest.approx(1.0, rel=1e-6), key
+    short_one, short_batch = t.kv_types[0][1], t.kv_types[0][3]
+    free = replace(t, kv_types=(("int8", short_one, short_one, short_batch, short_batch),))
     assert fit_host(profile, TRUE_HOST, "f16", free).kv_decode_flops == ()
+    unseen = replace(t, kv_types=(("int8", *t.kv_types[0][1:4], short_batch),))   # the batch's flops never show
+    assert fit_host(profile, TRUE_HOST, "f16", unseen).kv_decode_flops[0][2] == engine_fit.UNSEEN_RATE
