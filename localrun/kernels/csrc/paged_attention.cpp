@@ -261,20 +261,40 @@ void widen_fp8_base(float* dst, const uint8_t* src, int64_t n) {
 // and this block's values go to L2, so the values' pass finds them there: asked into L1 from
 // memory, the requests of a 16-row decode step waited in the prefetch loops themselves, and
 // the step's attention took 1.4-1.7x as long (docs/measurements.md).
+// part of parts: the block's rows part * rows / parts .. (part + 1) * rows / parts - 1, so that the
+// requests for one block are spread over the work on the current one (key_pieces, value passes):
+// a whole block's requests at once (192 lines of keys and values in a 16-row decode's whole-row
+// tasks) filled the core's miss buffers, and the loads of the work in between waited behind them.
 template <typename Fmt, int LOCALITY = 3>
-ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b, int64_t hd) {
+ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b, int64_t hd, int64_t part = 0,
+                                  int64_t parts = 1) {
     if (b * a.block_size >= a.L) return;
-    const char* row = static_cast<const char*>(pool.data) + (a.table[b] * a.block_size * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
     const int64_t rows = std::min(a.block_size, a.L - b * a.block_size), row_bytes = a.n_kv * hd * sizeof(typename Fmt::E);
     const int64_t bytes = a.per_kv ? row_bytes : hd * sizeof(typename Fmt::E);     // read of each position
-    for (int64_t r = 0; r < rows; r++, row += row_bytes)
+    const int64_t r0 = part * rows / parts, r1 = (part + 1) * rows / parts;
+    const char* row = static_cast<const char*>(pool.data) + ((a.table[b] * a.block_size + r0) * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
+    for (int64_t r = r0; r < r1; r++, row += row_bytes)
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, LOCALITY);
 }
 constexpr int64_t KEYS_AHEAD = 2;      // blocks
 template <typename KF, typename VF>
-ALWAYS_INLINE void prefetch_keys_pass(const RowArgs& a, int64_t b, int64_t hd) {
-    prefetch_block<KF, 1>(a, a.k, b + KEYS_AHEAD, hd);
-    prefetch_block<VF, 1>(a, a.v, b, hd);
+ALWAYS_INLINE void prefetch_keys_pass(const RowArgs& a, int64_t b, int64_t hd, int64_t part, int64_t parts) {
+    prefetch_block<KF, 1>(a, a.k, b + KEYS_AHEAD, hd, part, parts);
+    prefetch_block<VF, 1>(a, a.v, b, hd, part, parts);
+}
+// The keys of block b for one head group, PIECE positions at a time (f(j, n): the n keys from the
+// call's j-th), each piece after its share of the block's prefetches (part++ of parts). The score
+// loops take keys 8 at a time, each key's sum on its own, so pieces of 8 give the same bits as one
+// call. One thread, 16 SmolLM2 rows over 286 positions, 30 layers' pools (memory), us per row and
+// layer: the whole block's prefetches before the first head group 37-40, one head group's share
+// before each 31-34, a piece's share before each 28-31.
+constexpr int64_t PIECE = 8;
+template <typename KF, typename VF, typename F>
+ALWAYS_INLINE void key_pieces(const RowArgs& a, int64_t b, int64_t hd, int64_t n, int64_t& part, int64_t parts, F&& f) {
+    for (int64_t j = 0; j < a.block_size; j += PIECE) {
+        prefetch_keys_pass<KF, VF>(a, b, hd, part++, parts);
+        if (j < n) f(j, std::min(PIECE, n - j));
+    }
 }
 
 // In the vector kernel a float16 pool is read in place, each row widened as it is multiplied
@@ -634,6 +654,8 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     float* buf = acc_all + a.heads * hd;                          // (block_size, hd or n_kv * hd) widened rows
     float* qs = buf + a.block_size * (a.per_kv ? a.n_kv * hd : hd);    // (heads, hd) queries x scale
     const int64_t groups = a.per_kv ? a.heads / a.per_kv : 1, per = a.per_kv ? a.per_kv : a.heads;
+    const int64_t head_calls = groups * ((per + 2) / 3);          // head groups a block is worked in (head_groups)
+    const int64_t key_parts = head_calls * ((a.block_size + PIECE - 1) / PIECE);   // key_pieces' calls a block
     float mx[64];
     for (int64_t hh = 0; hh < a.heads; hh++) {
         mx[hh] = -INFINITY;
@@ -651,19 +673,22 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
             if (in_place) {
                 const int8_t* kc = static_cast<const int8_t*>(a.k.data) + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
                 const float* ks = a.k.scale + (a.table[b] * a.n_kv + a.g) * hd;     // the block's, every row
-                prefetch_keys_pass<KF, VF>(a, b, hd);
+                int64_t part = 0;
                 head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
                     constexpr int G = decltype(heads)::value;
-                    float* sc[G];
-                    for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
-                    const int64_t at = a.per_kv ? g * hd : 0;
-                    if constexpr (WIDE) {
-                        if (wide) {
-                            scores_wide<G, HD>(qs + h0 * hd, kc + at, a.n_kv * hd, hd, end - p, sc, mx + h0, KeysI8x16{ks + at});
-                            return;
+                    const int64_t at = a.per_kv ? g * hd : 0, stride = a.n_kv * hd;
+                    key_pieces<KF, VF>(a, b, hd, end - p, part, key_parts, [&](int64_t j, int64_t n) {
+                        float* sc[G];
+                        for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p + j - a.first);
+                        if constexpr (WIDE) {
+                            if (wide) {
+                                scores_wide<G, HD>(qs + h0 * hd, kc + at + j * stride, stride, hd, n, sc, mx + h0,
+                                                   KeysI8x16{ks + at});
+                                return;
+                            }
                         }
-                    }
-                    scores_fast<G, HD>(qs + h0 * hd, kc + at, a.n_kv * hd, hd, end - p, sc, mx + h0, KeysI8{ks + at});
+                        scores_fast<G, HD>(qs + h0 * hd, kc + at + j * stride, stride, hd, n, sc, mx + h0, KeysI8{ks + at});
+                    });
                 });
                 p = end;
                 continue;
@@ -671,12 +696,15 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         }
         int64_t stride;
         const auto* kb = Src<KF>::rows(a, a.k, b, p % a.block_size, end - p, buf, stride);
-        prefetch_keys_pass<KF, VF>(a, b, hd);
+        int64_t part = 0;
         head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
             constexpr int G = decltype(heads)::value;
-            float* sc[G];
-            for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p - a.first);
-            scores_block<G, HD, FAST, WIDE>(qs + h0 * hd, kb + (a.per_kv ? g * hd : 0), stride, hd, end - p, sc, mx + h0);
+            key_pieces<KF, VF>(a, b, hd, end - p, part, key_parts, [&](int64_t j, int64_t n) {
+                float* sc[G];
+                for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p + j - a.first);
+                scores_block<G, HD, FAST, WIDE>(qs + h0 * hd, kb + (a.per_kv ? g * hd : 0) + j * stride, stride, hd, n, sc,
+                                                mx + h0);
+            });
         });
         p = end;
     }
@@ -713,9 +741,10 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                 const int64_t groups_per_head = hd / a.v.group;
                 const int8_t* vc = static_cast<const int8_t*>(a.v.data) + tok * hd;
                 const float* vs = a.v.scale + tok * groups_per_head;
-                prefetch_block<VF>(a, a.v, b + 1, hd);
+                int64_t part = 0;
                 head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
                     constexpr int G = decltype(heads)::value;
+                    prefetch_block<VF>(a, a.v, b + 1, hd, part++, head_calls);
                     const float* w[G];
                     for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
                     const int8_t* v = vc + (a.per_kv ? g * hd : 0);
@@ -739,9 +768,10 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
         }
         int64_t stride;
         const auto* vb = Src<VF>::rows(a, a.v, b, p % a.block_size, end - p, buf, stride);
-        prefetch_block<VF>(a, a.v, b + 1, hd);
+        int64_t part = 0;
         head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
             constexpr int G = decltype(heads)::value;
+            prefetch_block<VF>(a, a.v, b + 1, hd, part++, head_calls);
             const float* w[G];
             for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
             const auto* v = vb + (a.per_kv ? g * hd : 0);
