@@ -71,6 +71,7 @@ struct RowArgs {
 // their stride: the pool itself for float32, else `buf` (n * hd floats) after widening them.
 struct F32 {
     using E = float;
+    static constexpr bool SCALED = false;
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         stride = a.n_kv * a.hd;   // every KV head's rows side by side: per_kv mode reads them at head offsets
@@ -81,6 +82,7 @@ struct F32 {
 template <typename Widen>
 struct Half16 {                    // float16 or bfloat16 values, stored as 16-bit words
     using E = uint16_t;
+    static constexpr bool SCALED = false;
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         // per_kv mode: the rows of every KV head, one contiguous stretch of the block, widened
@@ -167,6 +169,13 @@ struct Fp8Code {                   // float8 e4m3fn bytes
 template <typename Code>
 struct TokenScaled {               // one scale per `group` values of a token's head (group: 32, or hd)
     using E = typename Code::E;
+    static constexpr bool SCALED = true;
+    // the scales of block b's first `rows` positions, every KV head: one contiguous stretch
+    static const float* scale_span(const RowArgs& a, const Pool& pool, int64_t b, int64_t rows, int64_t& n) {
+        const int64_t per_token = a.n_kv * (a.hd / pool.group);
+        n = rows * per_token;
+        return pool.scale + a.table[b] * a.block_size * per_token;
+    }
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         // per_kv mode: every KV head's values of a row at once, their scales side by side too
@@ -181,6 +190,11 @@ struct TokenScaled {               // one scale per `group` values of a token's 
 
 struct ChannelScaledInt8 {         // int8 with one scale per block per channel: scale (blocks, n_kv, hd)
     using E = int8_t;
+    static constexpr bool SCALED = true;
+    static const float* scale_span(const RowArgs& a, const Pool& pool, int64_t b, int64_t, int64_t& n) {
+        n = a.n_kv * a.hd;
+        return pool.scale + a.table[b] * a.n_kv * a.hd;
+    }
     ALWAYS_INLINE static const float* rows(const RowArgs& a, const Pool& pool, int64_t b, int64_t off, int64_t n,
                                            float* buf, int64_t& stride) {
         const int64_t hd = a.hd, width = a.per_kv ? a.n_kv * hd : hd;       // per_kv: every KV head at once
@@ -275,6 +289,14 @@ ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b,
     const char* row = static_cast<const char*>(pool.data) + ((a.table[b] * a.block_size + r0) * a.n_kv + a.g) * hd * sizeof(typename Fmt::E);
     for (int64_t r = r0; r < r1; r++, row += row_bytes)
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, LOCALITY);
+    if constexpr (Fmt::SCALED) {       // a quantized pool's scales, with the first part's rows
+        if (part == 0) {
+            int64_t n;
+            const char* sc = reinterpret_cast<const char*>(Fmt::scale_span(a, pool, b, rows, n));
+            for (int64_t c = 0; c < n * (int64_t)sizeof(float); c += 64) __builtin_prefetch(sc + c, 0, LOCALITY);
+            __builtin_prefetch(sc + n * sizeof(float) - 1, 0, LOCALITY);     // the last line, where sc is not aligned
+        }
+    }
 }
 constexpr int64_t KEYS_AHEAD = 2;      // blocks
 template <typename KF, typename VF>
