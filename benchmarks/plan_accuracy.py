@@ -255,6 +255,7 @@ def main() -> None:
         "cpu": cpu_info(), "load_1m": round(load, 2),
         "model": name, "dtype": rows[0]["measured"]["dtype"], "threads": threads,
         "calibration": {"dtype": c.dtype, "backend": c.backend, "suspect": c.suspect, "drift": c.drift,
+                        "misfit": None if c.misfit is None else round(c.misfit, 3),
                         "other_cpu": None if c.other_cpu is None else round(c.other_cpu, 2),
                         "load_before": round(c.load_before, 2), "load_after": round(c.load_after, 2),
                         "host_bandwidth_gb_s": round(c.host_bandwidth / 1e9, 2),

@@ -32,7 +32,9 @@ step (a garbage collection) does not move it, and the fastest quiet repeat count
 ever adds time). The decode timings of one engine are taken in turn within each repeat (short fill,
 long, longer; short, long, ...), so that their fastest come from the same rounds when the machine's
 speed moves; the first is taken once more at the end, and a calibration across which it moved by
-more than layerplan.calibrate.DRIFT_LIMIT is suspect. Prompt steps vary by themselves: they
+more than layerplan.calibrate.DRIFT_LIMIT is suspect, as is one whose timings the fitted speed
+model misses by more than MISFIT_LIMIT (a slower phase of the host that met some timings and not
+the first one). Prompt steps vary by themselves: they
 allocate the unpacked weights afresh, and whether the allocator hands back pages it kept or takes
 fresh ones from the kernel (page faults that can add a third to a step; docs/measurements.md)
 differs from step to step and process to process. That is the engine's own cost, which a user
@@ -307,7 +309,7 @@ def measure_engine(path, calibration, threads: int | None = None):
     """`calibration` (layerplan.calibrate.Calibration of this host) with the engine's own figures
     for the model at `path`, fitted through the speed model (layerplan.engine_fit)."""
     import layerplan
-    from layerplan.calibrate import DRIFT_LIMIT, apply
+    from layerplan.calibrate import DRIFT_LIMIT, MISFIT_LIMIT, apply
     from layerplan.engine_fit import fit_host, residuals
     from layerplan.probe import probe_host
 
@@ -330,8 +332,9 @@ def measure_engine(path, calibration, threads: int | None = None):
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
         host_kv_decode_flops={name: [one, batch, rows] for name, one, batch, rows in fitted.kv_decode_flops} or None,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
-        suspect=calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT),
-        drift=drift, engine_reference_s=t.decode_short_s,
+        suspect=(calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT)
+                 or worst > MISFIT_LIMIT),
+        drift=drift, engine_reference_s=t.decode_short_s, misfit=worst,
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "

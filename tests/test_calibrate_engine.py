@@ -1,6 +1,9 @@
 """The engine calibration's timing side (localrun/calibrate_engine.py): each engine step is timed
 and sorted into prompt tokens and decode rows as the engine ran them; the fastest *quiet* repeat
 counts; and the whole calibration runs end to end on a tiny model."""
+import math
+from dataclasses import replace
+
 import pytest
 
 from layerplan import calibrate, quiet
@@ -118,6 +121,7 @@ def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_ggu
     assert drift >= 0.0
     base = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=0.0,
                                  other_cpu=0.0)
+    monkeypatch.setattr(calibrate, "MISFIT_LIMIT", math.inf)    # a tiny model's timings: the drift alone here
     for moved, suspect in ((0.05, False), (0.3, True)):
         monkeypatch.setattr(calibrate_engine, "measure_timings_in_new_process",
                             lambda path, threads: (timings, kv_type, 0.0, True, moved))
@@ -130,6 +134,15 @@ def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_ggu
                                  suspect=True).suspect_reason.startswith("taken under load")
     # a later run takes the same timing again (benchmarks/plan_accuracy.py: how the machine moved since)
     assert 0 < calibrate_engine.reference_step_seconds(tiny_gguf("Q4_0", n_layers=3), 1) < 10
+    # a timing the others contradict (the shallow stack slower than the whole: a slower phase of the
+    # host met it) leaves the fitted model far from it: suspect, not saved, and it says why
+    monkeypatch.setattr(calibrate, "MISFIT_LIMIT", 0.15)
+    slow = replace(timings, decode_short_shallow_s=3 * timings.decode_short_s)
+    monkeypatch.setattr(calibrate_engine, "measure_timings_in_new_process",
+                        lambda path, threads: (slow, kv_type, 0.0, True, 0.0))
+    tuned = measure_engine(tiny_gguf("Q4_0", n_layers=3), base, threads=1)
+    assert tuned.suspect and tuned.misfit > 0.15 and calibrate.save(tuned) is None
+    assert "timings is" in tuned.suspect_reason and "off what the others say" in tuned.suspect_reason
 
 
 def test_a_plan_on_a_suspect_calibration_says_why_in_its_source():
