@@ -101,30 +101,29 @@ class Calibration:
                                                 # over such a cache, of a batch's, the batch's rows] (engine
                                                 # calibration, the quantized types it times)
 
+    def _cause(self) -> tuple[str, str]:
+        """(why the calibration is suspect, what measured it) for a suspect calibration."""
+        if self.drift is not None and self.drift > DRIFT_LIMIT:
+            return (f"the machine's speed moved by {self.drift:.0%} while measuring",
+                    "the same decode step, timed first and last; on a virtual machine, other tenants of its host")
+        if self.misfit is not None and self.misfit > MISFIT_LIMIT:
+            return (f"one of its timings is {self.misfit:.0%} off what the others say",
+                    "the speed model fitted to all of them; on a virtual machine, other tenants of its host slow "
+                    "some timings")
+        return "taken under load", self.load_note
+
     @property
     def suspect_cause(self) -> str:
         """Why the calibration is suspect, in a few words ('' when it is not)."""
-        if not self.suspect:
-            return ""
-        if self.drift is not None and self.drift > DRIFT_LIMIT:
-            return f"the machine's speed moved by {self.drift:.0%} while measuring"
-        if self.misfit is not None and self.misfit > MISFIT_LIMIT:
-            return f"one of its timings is {self.misfit:.0%} off what the others say"
-        return "taken under load"
+        return self._cause()[0] if self.suspect else ""
 
     @property
     def suspect_reason(self) -> str:
         """suspect_cause with what was measured ('' when it is not suspect)."""
         if not self.suspect:
             return ""
-        moved = self.drift is not None and self.drift > DRIFT_LIMIT
-        if moved:
-            return self.suspect_cause + (" (the same decode step, timed first and last; on a virtual machine, other "
-                                         "tenants of its host)")
-        if self.misfit is not None and self.misfit > MISFIT_LIMIT:
-            return self.suspect_cause + (" (the speed model fitted to all of them; on a virtual machine, other tenants "
-                                         "of its host slow some timings)")
-        return self.suspect_cause + f" ({self.load_note})"
+        cause, measured = self._cause()
+        return f"{cause} ({measured})"
 
     @property
     def load_note(self) -> str:
