@@ -1,16 +1,30 @@
-"""One prepared check for a machine with an NVIDIA GPU (under 5 minutes).
+"""One prepared check for a machine with an NVIDIA GPU (a few minutes): layerplan's predictions
+against what the engine does, with 0, half and all layers on the GPU.
 
-Runs SmolLM2-135M with 0, 15 and 30 GPU layers, and a synthetic larger model (24 layers of
-4096 wide, Q4_0, random weights written with gguf.GGUFWriter) on the CPU and fully on the GPU,
-and prints, per run, the measured GPU memory and prefill / decode tok/s next to layerplan's
-prediction for the same placement. Prints a table, then one JSON object as the last line.
+For each model (synthetic llamas of random Q4_0 blocks, written here with gguf.GGUFWriter, by
+default 32 layers of 2048 and 24 of 4096; --model adds a GGUF file or catalog model found
+locally), and each GPU layer count (0, half, all + the output head, as llama.cpp's -ngl), a fresh
+process loads the engine, prefills a prompt and decodes, and reports:
+- GPU memory: the device's used memory (NVML) after the run minus before the process touched
+  CUDA (so its CUDA context is counted, as the ledger counts it), against the ledger's bytes for
+  the GPU (layerplan.ledger.engine_ledger of the plan the engine ran); torch's reserved and peak
+  allocated bytes beside it;
+- host memory: RSS after the run minus RSS once torch, CUDA and the kernels were set up, against
+  the ledger's bytes for the host (the tokenizer, host layers' weights as the engine holds them,
+  their KV pool);
+- prefill and decode tok/s (the engine's own timings of one request) against the plan's
+  prediction for the same placement, prompt and context. The host has no `--measure`
+  calibration there and the GPU none at all: the speed predictions are the uncalibrated model's.
+Prints a table, then one JSON object as the last line.
 
-    .venv/bin/python scripts/gpu_check.py [--model smollm2-135m] [--big-layers 24] [--big-width 4096]
+    python scripts/gpu_check.py [--synthetic 32x2048,24x4096] [--model smollm2-135m] [--prompt-tokens 512]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,17 +34,23 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))          # synthetic_gguf: the tiny BPE vocabulary
+sys.path.insert(0, str(ROOT))
+WORKER_TIMEOUT_S = 300
+GIB = 2 ** 30
 
 
-def write_big_q4_0(path: Path, n_layers: int, n_embd: int, n_ff: int, n_vocab: int = 320) -> Path:
-    """A llama GGUF of random Q4_0 blocks (no float weights are ever made: fast to write)."""
+def write_synthetic_q4_0(path: Path, n_layers: int, n_embd: int, n_vocab: int = 320) -> Path:
+    """A llama GGUF of random Q4_0 blocks, heads of 128, a KV head per 4 (no float weights are
+    ever made: fast to write)."""
     import gguf
     from synthetic_gguf import BOS_TOKEN_ID, CHATML_TEMPLATE, EOS_TOKEN_ID, tiny_bpe_vocab
 
     rng = np.random.default_rng(0)
-    n_head, n_head_kv = n_embd // 128, max(1, n_embd // 512)
+    n_ff = (n_embd * 8 // 3 + 255) // 256 * 256
+    n_head = n_embd // 128
+    n_head_kv = max(1, n_head // 4)
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("synthetic-q4_0")
+    writer.add_name(f"synthetic-{n_layers}x{n_embd}-q4_0")
     for add, value in [(writer.add_vocab_size, n_vocab), (writer.add_context_length, 4096),
                        (writer.add_embedding_length, n_embd), (writer.add_block_count, n_layers),
                        (writer.add_feed_forward_length, n_ff), (writer.add_head_count, n_head),
@@ -58,12 +78,12 @@ def write_big_q4_0(path: Path, n_layers: int, n_embd: int, n_ff: int, n_vocab: i
     def norm() -> np.ndarray:
         return np.ones(n_embd, dtype=np.float32)
 
-    head_dim = n_embd // n_head
+    kv_width = n_head_kv * 128
     writer.add_tensor("token_embd.weight", q4_0(n_vocab, n_embd), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
     for i in range(n_layers):
         p = f"blk.{i}."
-        for name, shape in [("attn_q", (n_embd, n_embd)), ("attn_k", (n_head_kv * head_dim, n_embd)),
-                            ("attn_v", (n_head_kv * head_dim, n_embd)), ("attn_output", (n_embd, n_embd)),
+        for name, shape in [("attn_q", (n_embd, n_embd)), ("attn_k", (kv_width, n_embd)),
+                            ("attn_v", (kv_width, n_embd)), ("attn_output", (n_embd, n_embd)),
                             ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))]:
             writer.add_tensor(p + name + ".weight", q4_0(*shape), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
         writer.add_tensor(p + "attn_norm.weight", norm())
@@ -76,51 +96,115 @@ def write_big_q4_0(path: Path, n_layers: int, n_embd: int, n_ff: int, n_vocab: i
     return path
 
 
-def predicted(path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int) -> tuple[float, float]:
+def _gpu_used_bytes() -> int:
+    """Device 0's used memory, by NVML (no CUDA context needed)."""
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def predicted(path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int, gen_tokens: int, kv_type: str) -> dict:
+    """The plan the engine ran (as placement.plan_device_map asks for it), its ledger per device
+    and its speed for this request."""
     import layerplan
-    plan = layerplan.plan(layerplan.profile_gguf(path), layerplan.probe_machine(), n_ctx=n_ctx,
-                          n_gpu_layers=n_gpu_layers, prompt_tokens=prompt_tokens, with_sweep=False)
-    return plan.predicted.prefill_tok_s, plan.predicted.decode_tok_s
+    from layerplan.ledger import EngineOptions, engine_ledger
+    from localrun.calibrate_engine import engine_profile
+    from localrun.engine_config import EngineConfig
+
+    profile = engine_profile(path)
+    machine = layerplan.probe_machine()
+    plan = layerplan.plan(profile, machine, n_ctx=n_ctx, n_parallel=1, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
+                          prompt_tokens=prompt_tokens, with_sweep=False, n_ubatch=EngineConfig().max_num_batched_tokens)
+    ledger = engine_ledger(plan, EngineOptions(dtype_bytes=4, kv_type=kv_type))
+    speed = layerplan.predict(profile, machine, plan.placement, plan.settings, prompt_tokens=prompt_tokens,
+                              decode_context=prompt_tokens + gen_tokens // 2, prompts_together=1)
+    gpu = next(i for i, d in enumerate(plan.machine.devices) if d.kind == "gpu")
+    host = next(i for i, d in enumerate(plan.machine.devices) if d.kind != "gpu")
+
+    def resident(device: int) -> int:   # what is held once a request ran (the head's buffer is not: see ledger)
+        return sum(i.n_bytes for i in ledger.items if i.device == device and i.what != "compute buffers")
+    return {"gpu_bytes": ledger.device_bytes(gpu), "host_bytes": resident(host),
+            "gpu_items": {i.what: i.n_bytes for i in ledger.items if i.device == gpu},
+            "prefill_tok_s": speed.prefill_tok_s, "decode_tok_s": speed.decode_tok_s}
 
 
-def run_one(path, label: str, n_gpu_layers: int, prompt_tokens: int, gen_tokens: int) -> dict:
+def worker(path: str, label: str, n_gpu_layers: int, prompt_tokens: int, gen_tokens: int) -> dict:
+    """One placement in this fresh process (so the GPU and host memory it reports are its own)."""
+    gpu_before = _gpu_used_bytes()
     import torch
 
-    from localrun import LLM
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    from localrun import LLM, kernels
+    from localrun.engine.paged_kv import default_kv_type
+    from localrun.executor import release_free_memory
+    kernels.available()
+    torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")   # context, cuBLAS, allocator
+    torch.cuda.synchronize()
+    warm = LLM(path, n_ctx=64, n_gpu_layers=0)           # the runtime's one-time costs (modules imported on
+    warm.generate("Hello", max_tokens=2)                 # first use, op set-up) are not the model's
+    del warm
+    release_free_memory()
+    rss_before = _rss()
     t0 = time.perf_counter()
-    llm = LLM(path, n_ctx=prompt_tokens + gen_tokens + 16, n_gpu_layers=n_gpu_layers, n_parallel=1,
-              kv_budget_bytes=None)
+    llm = LLM(path, n_ctx=prompt_tokens + gen_tokens + 16, n_gpu_layers=n_gpu_layers, n_parallel=1)
     load_s = time.perf_counter() - t0
-    weights_gib = (torch.cuda.memory_allocated() - base) / 2**30
-    ids = (llm.tokenize("The history of the city is long and full of stories. " * 200))[:prompt_tokens]
+    ids = (llm.tokenize("The history of the city is long and full of stories. " * 400))[:prompt_tokens]
     llm.generate(ids[:16], max_tokens=2, temperature=0, ignore_eos=True)            # warm-up
     llm.reset()
     torch.cuda.synchronize()
     r = llm.generate(ids, max_tokens=gen_tokens + 1, temperature=0, ignore_eos=True)
     torch.cuda.synchronize()
-    pred_prefill, pred_decode = predicted(path, n_gpu_layers, llm.n_ctx, prompt_tokens)
-    row = {"model": label, "n_gpu_layers": n_gpu_layers, "plan": llm.plan_summary, "load_s": round(load_s, 1),
-           "gpu_weights_gib": round(weights_gib, 3),
-           "gpu_peak_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 3),
-           "prefill_tok_s": round(r.timings["prefill_tok_s"], 1), "predicted_prefill_tok_s": round(pred_prefill, 1),
-           "decode_tok_s": round(r.timings["decode_tok_s"], 1), "predicted_decode_tok_s": round(pred_decode, 1),
-           "weights": type(llm.model.layers[-1].attention.wqkv).__name__}
-    del llm
-    return row
+    gpu_used = _gpu_used_bytes() - gpu_before
+    host_used = _rss() - rss_before
+    kv_type = llm.kv_type or default_kv_type(llm.dtype)
+    pred = predicted(path, n_gpu_layers, llm.n_ctx, len(ids), gen_tokens, kv_type)
+    return {"model": label, "n_gpu_layers": n_gpu_layers, "plan": llm.plan_summary, "threads": llm.n_threads,
+            "kv_type": kv_type, "load_s": round(load_s, 1), "prompt_tokens": len(ids),
+            "gpu_gib": round(gpu_used / GIB, 3), "predicted_gpu_gib": round(pred["gpu_bytes"] / GIB, 3),
+            "gpu_ratio": round(gpu_used / pred["gpu_bytes"], 3) if pred["gpu_bytes"] else None,
+            "torch_reserved_gib": round(torch.cuda.memory_reserved() / GIB, 3),
+            "torch_peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+            "host_gib": round(host_used / GIB, 3), "predicted_host_gib": round(pred["host_bytes"] / GIB, 3),
+            "host_ratio": round(host_used / pred["host_bytes"], 3) if pred["host_bytes"] else None,
+            "prefill_tok_s": round(r.timings["prefill_tok_s"], 1),
+            "predicted_prefill_tok_s": round(pred["prefill_tok_s"], 1),
+            "prefill_ratio": round(r.timings["prefill_tok_s"] / pred["prefill_tok_s"], 3),
+            "decode_tok_s": round(r.timings["decode_tok_s"], 1),
+            "predicted_decode_tok_s": round(pred["decode_tok_s"], 1),
+            "decode_ratio": round(r.timings["decode_tok_s"] / pred["decode_tok_s"], 3),
+            "predicted_gpu_items_mib": {k: round(v / 2**20, 1) for k, v in pred["gpu_items"].items()},
+            "weights": type(llm.model.layers[-1].attention.wqkv).__name__}
+
+
+def run_worker(path, label: str, n_gpu_layers: int, prompt_tokens: int, gen_tokens: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", str(path), label, str(n_gpu_layers), str(prompt_tokens),
+           str(gen_tokens)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"model": label, "n_gpu_layers": n_gpu_layers, "error": f"took over {WORKER_TIMEOUT_S} s"}
+    if proc.returncode != 0:
+        return {"model": label, "n_gpu_layers": n_gpu_layers, "error": proc.stderr.strip()[-3000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        path, label, n, prompt, gen = sys.argv[2:7]
+        print(json.dumps(worker(path, label, int(n), int(prompt), int(gen))))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--gpu-layers", default="0,15,30")
+    ap.add_argument("--synthetic", default="32x2048,24x4096", help="LAYERSxWIDTH,... ('' for none)")
+    ap.add_argument("--model", default=None, help="a GGUF file, or a catalog model already downloaded")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--big-layers", type=int, default=24)
-    ap.add_argument("--big-width", type=int, default=4096)
-    ap.add_argument("--big-ff", type=int, default=11008)
     args = ap.parse_args()
 
     import torch
@@ -128,32 +212,42 @@ def main():
         print("no CUDA GPU here (torch.cuda.is_available() is False); this check needs one", file=sys.stderr)
         print(json.dumps({"benchmark": "gpu_check", "error": "no CUDA GPU"}))
         sys.exit(1)
+    import layerplan
+    from localrun.cpu_info import cpu_info
     from localrun.model.quant import int4_backend
-    from localrun.models import resolve_model
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, int4 kernel on cuda: "
-          f"{int4_backend('cuda') is not None}", flush=True)
+          f"{int4_backend('cuda') is not None}; CPU {cpu_info()['model']}", flush=True)
+    print(f"layerplan sees: {[getattr(d, 'name', d) for d in layerplan.probe_machine().devices]}", flush=True)
     rows = []
-    path = resolve_model(args.model)
-    for n in [int(v) for v in args.gpu_layers.split(",")]:
-        rows.append(run_one(path, path.name, n, args.prompt_tokens, args.gen_tokens))
-        print(rows[-1], flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        big = write_big_q4_0(Path(tmp) / "synthetic-q4_0.gguf", args.big_layers, args.big_width, args.big_ff)
-        print(f"wrote {big.stat().st_size / 2**30:.2f} GiB synthetic model in {time.perf_counter() - t0:.0f}s",
-              flush=True)
-        label = f"synthetic {args.big_layers}x{args.big_width} Q4_0"
-        for n in (0, args.big_layers + 1):
-            rows.append(run_one(big, label, n, min(args.prompt_tokens, 256), min(args.gen_tokens, 16)))
-            print(rows[-1], flush=True)
 
-    cols = ["model", "n_gpu_layers", "gpu_weights_gib", "gpu_peak_gib", "prefill_tok_s", "predicted_prefill_tok_s",
-            "decode_tok_s", "predicted_decode_tok_s", "weights"]
+    def placements(path, label: str, n_layers: int) -> None:
+        for n in (0, n_layers // 2, n_layers + 1):
+            rows.append(run_worker(path, label, n, args.prompt_tokens, args.gen_tokens))
+            print(json.dumps(rows[-1]), flush=True)
+
+    if args.model:
+        from localrun.models import resolve_model
+        path = resolve_model(args.model)
+        placements(path, path.name, layerplan.profile_gguf(path).n_layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in filter(None, args.synthetic.split(",")):
+            n_layers, width = (int(v) for v in spec.split("x"))
+            t0 = time.perf_counter()
+            path = write_synthetic_q4_0(Path(tmp) / f"synthetic-{spec}.gguf", n_layers, width)
+            print(f"wrote {path.stat().st_size / GIB:.2f} GiB synthetic {spec} in {time.perf_counter() - t0:.0f}s",
+                  flush=True)
+            placements(path, f"synthetic {spec} Q4_0", n_layers)
+            os.unlink(path)
+
+    cols = ["model", "n_gpu_layers", "gpu_gib", "predicted_gpu_gib", "gpu_ratio", "host_gib", "predicted_host_gib",
+            "host_ratio", "prefill_tok_s", "predicted_prefill_tok_s", "prefill_ratio", "decode_tok_s",
+            "predicted_decode_tok_s", "decode_ratio", "weights"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    print(json.dumps({"benchmark": "gpu_check", "gpu": torch.cuda.get_device_name(), "rows": rows}))
+        print("| " + " | ".join(str(r.get(c, "error" if c == "gpu_gib" and "error" in r else "")) for c in cols) + " |")
+    print(json.dumps({"benchmark": "gpu_check", "gpu": torch.cuda.get_device_name(), "cpu": cpu_info(),
+                      "rows": rows}))
 
 
 if __name__ == "__main__":
