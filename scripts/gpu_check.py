@@ -13,7 +13,8 @@ process loads the engine, prefills a prompt and decodes, and reports:
   the ledger's bytes for the host (the tokenizer, host layers' weights as the engine holds them,
   their KV pool);
 - prefill and decode tok/s (the engine's own timings of one request) against the plan's
-  prediction for the same placement, prompt and context. The host has no `--measure`
+  prediction for the same placement, prompt and context, as benchmarks/plan_accuracy.py times
+  them (the engine's steps; random token ids, so no tokenizer is needed). The host has no `--measure`
   calibration there and the GPU none at all: the speed predictions are the uncalibrated model's.
 Prints a table, then one JSON object as the last line.
 
@@ -136,33 +137,49 @@ def predicted(path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int, gen_token
             "prefill_tok_s": speed.prefill_tok_s, "decode_tok_s": speed.decode_tok_s}
 
 
+def _engine(llm):
+    """The LLM's engine, built without the tokenizer (llama-cpp-python may be missing on a GPU
+    machine): the token ids are made here, and generation runs to max_tokens."""
+    from localrun.engine.llm_engine import LLMEngine
+    if llm._engine is None:
+        llm._engine = LLMEngine(llm.model, llm.engine_config, tokenizer_eog_ids=(), clock=time.perf_counter)
+    return llm._engine
+
+
 def worker(path: str, label: str, n_gpu_layers: int, prompt_tokens: int, gen_tokens: int) -> dict:
     """One placement in this fresh process (so the GPU and host memory it reports are its own)."""
     gpu_before = _gpu_used_bytes()
     import torch
 
     from localrun import LLM, kernels
+    from localrun.calibrate_engine import decode_step_seconds, prefill_seconds, timed_steps
     from localrun.engine.paged_kv import default_kv_type
     from localrun.executor import release_free_memory
+    from localrun.sampling_params import SamplingParams
     kernels.available()
     torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")   # context, cuBLAS, allocator
     torch.cuda.synchronize()
+    rng = np.random.default_rng(0)
     warm = LLM(path, n_ctx=64, n_gpu_layers=0)           # the runtime's one-time costs (modules imported on
-    warm.generate("Hello", max_tokens=2)                 # first use, op set-up) are not the model's
-    del warm
+    timed_steps(_engine(warm), [[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))   # first use, op
+    del warm                                             # set-up) are not the model's
     release_free_memory()
     rss_before = _rss()
     t0 = time.perf_counter()
     llm = LLM(path, n_ctx=prompt_tokens + gen_tokens + 16, n_gpu_layers=n_gpu_layers, n_parallel=1)
     load_s = time.perf_counter() - t0
-    ids = (llm.tokenize("The history of the city is long and full of stories. " * 400))[:prompt_tokens]
-    llm.generate(ids[:16], max_tokens=2, temperature=0, ignore_eos=True)            # warm-up
-    llm.reset()
+    n_vocab = llm.model.config.n_vocab
+    engine = _engine(llm)
+    params = SamplingParams(max_tokens=gen_tokens + 1, ignore_eos=True, seed=0)
+    timed_steps(engine, [rng.integers(4, n_vocab, 16).tolist()], params)                    # warm-up
+    ids = rng.integers(4, n_vocab, prompt_tokens).tolist()                                 # no shared prefix
     torch.cuda.synchronize()
-    r = llm.generate(ids, max_tokens=gen_tokens + 1, temperature=0, ignore_eos=True)
+    steps, _ = timed_steps(engine, [ids], params)
     torch.cuda.synchronize()
     gpu_used = _gpu_used_bytes() - gpu_before
     host_used = _rss() - rss_before
+    n_prompt, prefill_s = prefill_seconds(steps)
+    prefill_tok_s, decode_tok_s = n_prompt / prefill_s, 1.0 / decode_step_seconds(steps, 1)
     kv_type = llm.kv_type or default_kv_type(llm.dtype)
     pred = predicted(path, n_gpu_layers, llm.n_ctx, len(ids), gen_tokens, kv_type)
     return {"model": label, "n_gpu_layers": n_gpu_layers, "plan": llm.plan_summary, "threads": llm.n_threads,
@@ -173,12 +190,10 @@ def worker(path: str, label: str, n_gpu_layers: int, prompt_tokens: int, gen_tok
             "torch_peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
             "host_gib": round(host_used / GIB, 3), "predicted_host_gib": round(pred["host_bytes"] / GIB, 3),
             "host_ratio": round(host_used / pred["host_bytes"], 3) if pred["host_bytes"] else None,
-            "prefill_tok_s": round(r.timings["prefill_tok_s"], 1),
-            "predicted_prefill_tok_s": round(pred["prefill_tok_s"], 1),
-            "prefill_ratio": round(r.timings["prefill_tok_s"] / pred["prefill_tok_s"], 3),
-            "decode_tok_s": round(r.timings["decode_tok_s"], 1),
-            "predicted_decode_tok_s": round(pred["decode_tok_s"], 1),
-            "decode_ratio": round(r.timings["decode_tok_s"] / pred["decode_tok_s"], 3),
+            "prefill_tok_s": round(prefill_tok_s, 1), "predicted_prefill_tok_s": round(pred["prefill_tok_s"], 1),
+            "prefill_ratio": round(prefill_tok_s / pred["prefill_tok_s"], 3),
+            "decode_tok_s": round(decode_tok_s, 1), "predicted_decode_tok_s": round(pred["decode_tok_s"], 1),
+            "decode_ratio": round(decode_tok_s / pred["decode_tok_s"], 3),
             "predicted_gpu_items_mib": {k: round(v / 2**20, 1) for k, v in pred["gpu_items"].items()},
             "weights": type(llm.model.layers[-1].attention.wqkv).__name__}
 
