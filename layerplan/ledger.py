@@ -5,15 +5,23 @@ holds it (not as the file stores it).
   stays in the file's memory map: its pages count as resident once a forward touches them, but
   they are file-backed, shared with other processes and reclaimable (`mapped`). Every other
   matrix is copied: dequantized to the compute dtype, or on a GPU packed as int4 (Q4_0/Q4_1/Q4_K:
-  half a byte per value plus a bf16 scale and zero per 32) or int8 (Q8_0: a byte per value plus a
-  bf16 scale per row). Norms and biases are f32 copies. A tied output head on a GPU is a copy of
-  the token table.
+  half a byte per value plus, per 32, a bf16 scale and zero and their bf16 rounding residuals:
+  localrun.model.quant.Int4Weight) or int8 (Q8_0: a byte per value plus a row's scale in f32
+  and bf16: Int8Weight). Norms and biases are f32 copies. A tied output head on a GPU is a copy
+  of the token table.
 - The KV pool per device: the engine reserves n_parallel x ctx tokens in blocks of 16 with
   torch.empty, so its pages are committed as tokens are written; the ledger counts the whole
   pool (what a filled context holds). Sliding-window layers have a pool of their own, sized by
   the window and the prompt step (engine_kv_tokens).
 - Compute buffers (layerplan.buffers), but for the output head's: the engine projects only the
-  rows it samples (one per sequence), not a whole prompt step's; the CUDA context on each GPU in use.
+  rows it samples (one per sequence), not a whole prompt step's.
+- The CUDA runtime, where a GPU holds layers: on each such GPU, what a torch process holds beyond
+  its allocator's (context, cuBLAS workspace, the kernels' modules loaded as the engine first
+  calls them), and on the host, what the engine's GPU path adds to the process's RSS beyond
+  torch's CUDA set-up. Both measured with scripts/gpu_check.py (2026-12-04; one H200, torch
+  2.11 with CUDA 13, NVML and RSS): 0.668 GiB on the GPU in each of 4 runs (0.667-0.668), 0.39
+  to 0.46 GiB on the host; layerplan's CUDA_CONTEXT_BYTES (384 MiB) is llama.cpp's, whose
+  context loads far fewer kernels.
 - The tokenizer on the host: llama.cpp's vocabulary (token texts, scores, maps, BPE merge ranks)
   and localrun's two piece tables. Measured with llama-cpp-python 0.3.36 (2026-12-01): 172 bytes
   per token and 203 per merge in llama.cpp, 93 per token for the piece tables (SmolLM2-135M:
@@ -35,6 +43,8 @@ from layerplan.model_profile import ModelProfile
 # GGML types localrun's compiled kernels multiply in place (localrun/kernels KERNEL_TYPES)
 ENGINE_KERNEL_TYPES = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"})
 INT4_TYPES, INT8_TYPES = frozenset({"q4_0", "q4_1", "q4_k"}), frozenset({"q8_0"})
+ENGINE_CUDA_CONTEXT_BYTES = 684 * 2**20     # per GPU holding layers (module docstring: measured)
+ENGINE_CUDA_HOST_BYTES = 420 * 2**20        # on the host, once any GPU holds layers
 GROUP = 32
 TOKENIZER_BYTES_PER_TOKEN = 172 + 93   # llama.cpp's vocabulary + localrun's piece tables
 TOKENIZER_BYTES_PER_MERGE = 203
@@ -85,10 +95,10 @@ def held_bytes(info: TensorInfo, on_gpu: bool, options: EngineOptions) -> tuple[
     n_cols, n_rows = info.shape[0], _elements(info) // info.shape[0]
     if not on_gpu and options.kernels and kind in ENGINE_KERNEL_TYPES and n_cols % GROUP == 0:
         return info.n_bytes, True
-    if kind in INT4_TYPES and n_cols % GROUP == 0:
-        return n_rows * n_cols // 2 + n_rows * (n_cols // GROUP) * 2 * 2, False
-    if kind in INT8_TYPES:
-        return n_rows * n_cols + n_rows * 2, False
+    if kind in INT4_TYPES and n_cols % GROUP == 0:    # codes; scale and zero, and their residuals, bf16
+        return n_rows * n_cols // 2 + n_rows * (n_cols // GROUP) * 4 * 2, False
+    if kind in INT8_TYPES:                            # codes; the row's scale, f32 and bf16
+        return n_rows * n_cols + n_rows * (F32 + 2), False
     return _elements(info) * options.dtype_bytes, False
 
 
@@ -165,8 +175,9 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
         if n_bytes:
             items.append(LedgerItem(k, f"KV pool ({settings.n_ctx} x {settings.n_parallel} tokens)", n_bytes))
     for k, usage in enumerate(placement.usage):
-        cuda = CUDA_CONTEXT_BYTES if k != host and usage.buffer_bytes else 0
-        buffers = usage.buffer_bytes - cuda
+        planned_cuda = CUDA_CONTEXT_BYTES if k != host and usage.buffer_bytes else 0   # what the plan counts
+        cuda = ENGINE_CUDA_CONTEXT_BYTES if planned_cuda else 0
+        buffers = usage.buffer_bytes - planned_cuda
         if k == placement.head_device and buffers:
             # the plan sizes the head's buffer as llama.cpp reserves it, logits for a whole ubatch
             # (2 GiB for a 262k vocabulary at 2048 tokens); the engine projects only the rows it
@@ -177,7 +188,9 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
         if buffers:
             items.append(LedgerItem(k, "compute buffers", buffers))
         if cuda:
-            items.append(LedgerItem(k, "CUDA context", cuda))
+            items.append(LedgerItem(k, "CUDA context, cuBLAS and kernels", cuda))
+    if any(usage.buffer_bytes for k, usage in enumerate(placement.usage) if k != host):
+        items.append(LedgerItem(host, "CUDA runtime (host side)", ENGINE_CUDA_HOST_BYTES))
     items.append(LedgerItem(host, "tokenizer (vocabulary and tables)", _tokenizer_bytes(header, profile.n_vocab)))
     if options.draft is not None:
         draft = options.draft

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 import layerplan
 from layerplan.gguf_header import TensorInfo
 from layerplan.ggml_types import GGML_TYPES_BY_NAME
-from layerplan.ledger import (TOKENIZER_BYTES_PER_MERGE, TOKENIZER_BYTES_PER_TOKEN, EngineOptions,
-                              engine_ledger, held_bytes)
+from layerplan.ledger import (ENGINE_CUDA_CONTEXT_BYTES, ENGINE_CUDA_HOST_BYTES, TOKENIZER_BYTES_PER_MERGE,
+                              TOKENIZER_BYTES_PER_TOKEN, EngineOptions, engine_ledger, held_bytes)
 from layerplan.units import MiB
 from localrun.cli.main import app
 
@@ -32,15 +32,43 @@ def test_each_tensor_as_the_engine_holds_it():
     cpu, no_kernels = EngineOptions(), EngineOptions(kernels=False)
     q4 = info("blk.0.attn_q.weight", "q4_0", (576, 1536))       # 1536 rows of 576 values
     assert held_bytes(q4, False, cpu) == (1536 * 576 // 32 * 18, True)              # the file's blocks, mapped
-    assert held_bytes(q4, True, cpu) == (1536 * 576 // 2 + 1536 * 18 * 4, False)    # int4 + bf16 scale, zero / 32
+    # int4, and per 32 values a bf16 scale and zero and their rounding residuals
+    assert held_bytes(q4, True, cpu) == (1536 * 576 // 2 + 1536 * 18 * 8, False)
     assert held_bytes(q4, False, no_kernels)[1] is False
     q8 = info("token_embd.weight", "q8_0", (576, 49152))
-    assert held_bytes(q8, True, cpu) == (49152 * 576 + 49152 * 2, False)            # int8 per row + bf16 scale
+    assert held_bytes(q8, True, cpu) == (49152 * 576 + 49152 * 6, False)            # int8 + the row's f32, bf16 scale
     f16 = info("blk.0.ffn_up.weight", "f16", (64, 128))
     assert held_bytes(f16, False, cpu) == (64 * 128 * 4, False)                     # dequantized to float32
     assert held_bytes(f16, False, EngineOptions(dtype_bytes=2)) == (64 * 128 * 2, False)
     norm = info("blk.0.attn_norm.weight", "f32", (576,))
     assert held_bytes(norm, True, cpu) == (576 * 4, False)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k", "q8_0"])
+def test_a_copied_matrix_takes_what_the_engines_weight_object_holds(kind):
+    """held_bytes of a matrix the engine copies (on a GPU, or with its kernels off) against the
+    bytes of the weight object it builds for it (model/quant.py: Int4Weight, Int8Weight), here on
+    the CPU: the same tensors as on a GPU (int4 packed two codes a byte either way)."""
+    import numpy as np
+    import torch
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as QT
+
+    from localrun.model.quant import Int4Weight, Int8Weight, int4_groups
+    qtype = QT[kind.upper()]
+    n, k = 96, 512
+    values, size = GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    f16_at = {QT.Q4_0: [0], QT.Q8_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2]}[qtype]
+    for at in f16_at:                 # finite, small scales
+        raw[:, :, at:at + 2] = np.full((n, k // values), 0.01, np.float16).view(np.uint8).reshape(n, -1, 2)
+    raw = raw.reshape(n, -1)
+    if kind == "q8_0":
+        from gguf.quants import dequantize
+        weight = Int8Weight.from_float(dequantize(raw, qtype).reshape(n, k), torch.device("cpu"))
+    else:
+        weight = Int4Weight.from_groups(int4_groups(raw, qtype, (n, k)), torch.device("cpu"))
+    assert held_bytes(info("blk.0.ffn_up.weight", kind, (k, n)), True, EngineOptions()) == (weight.nbytes, False)
 
 
 def test_ledger_of_a_file_against_gguf_py(tiny_gguf):
@@ -73,12 +101,14 @@ def test_gpu_layers_are_copied_and_pay_the_cuda_context(tiny_gguf):
     ledger = engine_ledger(plan, EngineOptions(draft=draft, ram_kv_tier_bytes=64 * MiB))
     gpu = {i.what: i.n_bytes for i in ledger.items if i.device == 0}
     host = {i.what: i.n_bytes for i in ledger.items if i.device == 1}
-    assert gpu["CUDA context"] == 384 * MiB and "weights, memory-mapped" not in gpu
-    # per layer q,k,v,o (256x256, 2 of 256x128) and gate, up, down (256x512 each) as int8 + a bf16 scale per row,
+    assert gpu["CUDA context, cuBLAS and kernels"] == ENGINE_CUDA_CONTEXT_BYTES and "weights, memory-mapped" not in gpu
+    assert host["CUDA runtime (host side)"] == ENGINE_CUDA_HOST_BYTES
+    # per layer q,k,v,o (256x256, 2 of 256x128) and gate, up, down (256x512 each) as int8 + an f32 and a bf16
+    # scale per row,
     # and the tied head: a GPU copy of the 320 x 256 token table
     rows_and_cols = [(256, 256), (128, 256), (128, 256), (256, 256), (512, 256), (512, 256), (256, 512)]
-    layer = sum(r * c + 2 * r for r, c in rows_and_cols) + 2 * 256 * 4       # + two f32 norms
-    head = 320 * 256 + 2 * 320 + 256 * 4                                       # + output_norm
+    layer = sum(r * c + 6 * r for r, c in rows_and_cols) + 2 * 256 * 4       # + two f32 norms
+    head = 320 * 256 + 6 * 320 + 256 * 4                                       # + output_norm
     assert gpu["weights, copied"] == 2 * layer + head
     assert host["weights, memory-mapped"] == 320 * 256 // 32 * 34              # token_embd stays mapped in RAM
     assert host["RAM KV tier (cap)"] == 64 * MiB
