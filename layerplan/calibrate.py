@@ -96,6 +96,8 @@ class Calibration:
     drift: float | None = None       # the engine calibration's first timing retaken last: slower over faster - 1
     engine_reference_s: float | None = None  # that timing (one sequence, short fill, all layers), seconds: a later
                                              # run times it again to see how far the machine's speed moved since
+    engine_reference_long_s: float | None = None  # and at the long fill: memory-bound, it moves with the host's
+                                                  # memory traffic, which the short one barely sees
     misfit: float | None = None      # the engine calibration's worst timing, |measured / modelled - 1| after the fit
     host_kv_decode_flops: dict[str, list[float]] | None = None  # KV type -> [flop/s of one decode row's attention
                                                 # over such a cache, of a batch's, the batch's rows] (engine

@@ -208,8 +208,7 @@ def measure_timings(path, threads: int | None = None):
     profile = layerplan.profile_gguf(path)
     n_layers = profile.n_layers
     n_short = max(1, n_layers // 3)
-    room = profile.n_ctx_train - DECODE_STEPS - 16              # the engines stay within the trained context
-    long_fill = max(SHORT_FILL * 2, min(LONG_FILL, room))
+    room, long_fill = _long_fill(profile)
     longer_fill = min(LONGER_FILL, room) if min(LONGER_FILL, room) >= 1.5 * long_fill else None
     n = min(ATTENTION_TOKENS, room // 2)                        # the cached timing holds twice as many
     n -= n % BATCH
@@ -257,12 +256,22 @@ def measure_timings(path, threads: int | None = None):
     return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
 
 
-def reference_step_seconds(path, threads: int | None = None) -> float:
-    """The engine calibration's first timing, taken afresh: one sequence's decode step at the short
-    fill through all layers, on an engine built for one (the fastest of DECODE_REPEATS quiet
-    repeats). Against the calibration's own (Calibration.engine_reference_s) it says how far the
-    machine's speed has moved since, which a VM's host can do by a third within minutes."""
-    return _Engine(path, None, SHORT_FILL + DECODE_STEPS + 16, 1, threads).decode(1, SHORT_FILL)[0][0]
+def _long_fill(profile) -> tuple[int, int]:
+    """(room, long fill): the engines stay within the trained context."""
+    room = profile.n_ctx_train - DECODE_STEPS - 16
+    return room, max(SHORT_FILL * 2, min(LONG_FILL, room))
+
+
+def reference_step_seconds(path, threads: int | None = None) -> tuple[float, float]:
+    """The engine calibration's first two timings, taken afresh: one sequence's decode step at the
+    short and at the long fill through all layers, on an engine built for one (the fastest of
+    DECODE_REPEATS quiet repeats). Against the calibration's own (Calibration.engine_reference_s,
+    engine_reference_long_s) they say how far the machine's speed has moved since, which a VM's
+    host can do by a third within minutes: the short step mostly computes, the long one mostly
+    reads the KV cache from memory, and the host's other tenants move the two apart."""
+    import layerplan
+    _, long_fill = _long_fill(layerplan.profile_gguf(path))
+    return _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads).decode(1, SHORT_FILL, long_fill)[0]
 
 
 def measure_timings_in_new_process(path, threads: int | None = None):
@@ -334,7 +343,7 @@ def measure_engine(path, calibration, threads: int | None = None):
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
         suspect=(calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT)
                  or worst > MISFIT_LIMIT),
-        drift=drift, engine_reference_s=t.decode_short_s, misfit=worst,
+        drift=drift, engine_reference_s=t.decode_short_s, engine_reference_long_s=t.decode_long_s, misfit=worst,
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "
