@@ -112,16 +112,17 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def predicted(path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int, gen_tokens: int, kv_type: str) -> dict:
+def predicted(path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int, gen_tokens: int, kv_type: str,
+              machine=None) -> dict:
     """The plan the engine ran (as placement.plan_device_map asks for it), its ledger per device
-    and its speed for this request."""
+    and its speed for this request, on `machine` (None: this one, probed)."""
     import layerplan
     from layerplan.ledger import EngineOptions, engine_ledger
     from localrun.calibrate_engine import engine_profile
     from localrun.engine_config import EngineConfig
 
     profile = engine_profile(path)
-    machine = layerplan.probe_machine()
+    machine = machine or layerplan.probe_machine()
     plan = layerplan.plan(profile, machine, n_ctx=n_ctx, n_parallel=1, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
                           prompt_tokens=prompt_tokens, with_sweep=False, n_ubatch=EngineConfig().max_num_batched_tokens)
     ledger = engine_ledger(plan, EngineOptions(dtype_bytes=4, kv_type=kv_type))
