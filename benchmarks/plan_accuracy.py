@@ -227,7 +227,9 @@ def main() -> None:
     if not args.matvec_only:
         from localrun.calibrate_engine import measure_engine
         calibration = measure_engine(path, calibration, threads)
-    saved = calibrate.save(calibration)
+    # saved for later plans only when it is the engine calibration `localrun plan --measure` makes:
+    # a --matvec-only smoke run must not replace it with the micro-benchmarks' figures
+    saved = calibrate.save(calibration) if not args.matvec_only else None
     measure_s = time.perf_counter() - started
 
     rows = []
@@ -244,11 +246,12 @@ def main() -> None:
                                        if calibration.engine_reference_long_s else None)})
 
     mib = 1 << 20
+    saved_note = ("" if saved else ", SUSPECT: not saved" if calibration.suspect else ", not saved (--matvec-only)")
     load = os.getloadavg()[0]
     c = calibration
     print(f"layerplan vs the localrun engine: {name}, {rows[0]['measured']['dtype']}, {threads} threads; "
           f"load {load:.2f}; host measured in {c.dtype} via {c.backend} ({measure_s:.0f} s, {c.load_note}"
-          f"{'' if saved else ', SUSPECT: not saved'}): {c.host_bandwidth / 1e9:.1f} GB/s, "
+          f"{saved_note}): {c.host_bandwidth / 1e9:.1f} GB/s, "
           f"{c.host_matmul_overhead_s * 1e6:.0f} us per matvec, prompt {c.host_flops / 1e9:.1f} GFLOP/s, "
           f"decode {(c.host_decode_flops or c.host_flops) / 1e9:.1f} GFLOP/s, "
           f"{(c.host_layer_overhead_s or 0) * 1e3:.3f} ms per layer, {(c.host_step_overhead_s or 0) * 1e3:.2f} ms per step")
