@@ -46,9 +46,8 @@ CALIBRATION_FILE = "calibration.json"
 # rows 16 lanes per register; 6: decode over a third cache fill, and the KV bytes the CPU's caches
 # hold between steps, free in the model; 7: the AVX2 lane kernel's 6-row passes, and a decode batch's
 # own KV read rate; 8: decode attention's rate over an int8 or fp8 cache, timed on its own, and the
-# attention kernel's prefetches in parts, with a quantized pool's scales; 9: one decode row's attention
-# rate over the calibration's own cache type, from a middle fill within the CPU's caches).
-SPEED_MODEL_REVISION = 9
+# attention kernel's prefetches in parts, with a quantized pool's scales).
+SPEED_MODEL_REVISION = 8
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 DRIFT_LIMIT = 0.10   # an engine calibration whose first timing, retaken last, moved by more is suspect

@@ -84,8 +84,6 @@ class EngineTimings:
     kv_types: tuple[tuple[str, float, float, float, float], ...] = ()  # (another KV type, seconds per decode
                                      # step over a cache of that type: one sequence at fill_short, at fill_long,
                                      # `batch` sequences at fill_short, at fill_long)
-    fill_mid: float | None = None        # a fill between the short and the long one, within the CPU's caches
-    decode_mid_s: float | None = None    # one sequence, that fill, all layers (None: not timed)
 
 
 def _solve_rate(seconds_at, target: float, unseen: float) -> float:
@@ -163,11 +161,9 @@ def fit_host(profile: ModelProfile, host: Device, kv_type: str, t: EngineTimings
 
 
 def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
-    # 1. attention: one row's flop rate over the calibration's own cache type, from the middle fill
-    #    (within the CPU's caches); then only the cache fill differs between the timings of one
-    #    sequence (of the batch in a calibration without the one-sequence one); then the batch's own
-    #    rate, from its two fills
-    h = _fit_kv_batch(m, _fit_kv(m, _fit_own_rate(m, h, t), t), t)
+    # 1. attention: only the cache fill differs between the timings of one sequence (of the batch
+    #    in a calibration without the one-sequence one); then the batch's own rate, from its two fills
+    h = _fit_kv_batch(m, _fit_kv(m, h, t), t)
 
     # 2. decode rows: `batch` sequences against one at the same fill (per-layer and per-step costs cancel)
     def rows_cost(decode_flops):
@@ -260,29 +256,6 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
     return replace(x, kv_batch_bandwidth=rate) if rate else h
 
 
-def _fit_own_rate(m: _Model, h: Device, t: EngineTimings) -> Device:
-    """kv_decode_flops' entry for the calibration's own KV type: the flop rate of one decode row's
-    attention that makes the middle fill (its bytes within the CPU's caches, so the rate and not
-    the bandwidth decides) cost what it did over the short one; rows from the batch's on keep the
-    attention rate they had (attention_flops), rows between go linearly. On 2 Zen 3 cores one
-    SmolLM2 row over a float16 cache cost 2-3 us more per cached token from 128 tokens on, where a
-    model holding the first 22 MB "cached" and the attention at the prompt's 140 GFLOP/s made the
-    first ~950 tokens nearly free (docs/layerplan.md). None where the middle fill was not timed or
-    cost nothing to see: the attention rate serves every row, as before."""
-    h = replace(h, kv_decode_flops=tuple(e for e in h.kv_decode_flops if e[0] != m.kv_name))
-    if t.decode_mid_s is None or not t.fill_mid:
-        return h
-    batch = h.attention_flops or h.compute_flops
-
-    def mid_cost(one: float) -> float:     # its bytes within the caches: the bandwidth's figures not yet known
-        x = replace(h, kv_decode_flops=((m.kv_name, one, batch, t.batch),), kv_cached_bytes=math.inf)
-        return m.decode(x, 1, t.fill_mid) - m.decode(x, 1, t.fill_short)
-    one = _solve_rate(mid_cost, t.decode_mid_s - t.decode_short_s, 0.0)
-    if not one or one >= batch:       # no slower than the attention rate: nothing of its own to say
-        return h
-    return replace(h, kv_decode_flops=((m.kv_name, one, batch, t.batch),))
-
-
 def _fit_kv_types(profile: ModelProfile, h: Device, t: EngineTimings) -> Device:
     """kv_decode_flops: for each other KV type timed, the rates of decode attention over such a cache
     that make its long fill cost what it did over its short fill, first for one sequence, then for
@@ -303,7 +276,7 @@ def _fit_kv_types(profile: ModelProfile, h: Device, t: EngineTimings) -> Device:
         batch = (_solve_rate(lambda r: fill_cost(one, r, t.batch), batch_long_s - batch_s, UNSEEN_RATE)
                  if t.batch > 1 else 0.0)
         rates.append((m.kv_name, one, batch, t.batch))
-    return replace(h, kv_decode_flops=tuple(sorted([*h.kv_decode_flops, *rates])))   # the own type's kept
+    return replace(h, kv_decode_flops=tuple(sorted(rates)))
 
 
 def _solve_logs(seconds_of, measured: list[float], start: list[float], iterations: int = 200) -> list[float]:
@@ -371,8 +344,6 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
             "decode_batch": t.decode_batch_s / m.decode(host, t.batch, t.fill_short),
             "decode_batch_long": t.decode_batch_long_s / m.decode(host, t.batch, t.fill_long),
             **({"decode_long": t.decode_long_s / m.decode(host, 1, t.fill_long)} if t.decode_long_s is not None else {}),
-            **({"decode_mid": t.decode_mid_s / m.decode(host, 1, t.fill_mid)}
-               if t.decode_mid_s is not None and t.fill_mid else {}),
             **({"decode_longer": t.decode_longer_s / m.decode(host, 1, t.fill_longer)}
                if t.decode_longer_s is not None and t.fill_longer else {}),
             **{f"decode_long_{k[0]}": k[2] / _Model(profile, k[0]).decode(host, 1, t.fill_long) for k in t.kv_types},

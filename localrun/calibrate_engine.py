@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass, replace
 
 FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up), w2
-SHORT_FILL, MID_FILL, LONG_FILL, LONGER_FILL = 32, 512, 2048, 4096   # prompt tokens before the timed decode
-                              # steps (within the trained context); the middle and longer ones on one sequence only
+SHORT_FILL, LONG_FILL, LONGER_FILL = 32, 2048, 4096   # prompt tokens before the timed decode steps (within the
+                                                      # trained context); the longer one on one sequence only
 BATCH = 4                     # sequences in the batched decode timings
 OTHER_KV_TYPES = ("int8", "fp8")  # the engine's quantized caches, timed besides the default one
 PROMPT_SIZES = (128, 384, 1024, 1536)   # prompts whose single prefill step is timed (within a short context)
@@ -228,11 +228,7 @@ def measure_timings(path, threads: int | None = None):
     (shallow_s,) = timed(shallow.decode(1, SHORT_FILL))
     del shallow
     single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
-    mid_fill = MID_FILL if 4 * SHORT_FILL <= MID_FILL <= long_fill // 2 else None   # within the CPU's caches
-    short_s, *rest = timed(single.decode(1, SHORT_FILL, *([mid_fill] if mid_fill else []), long_fill,
-                                         *([longer_fill] if longer_fill else [])))
-    mid_s = rest.pop(0) if mid_fill else None
-    long_s, *longer = rest
+    short_s, long_s, *longer = timed(single.decode(1, SHORT_FILL, long_fill, *([longer_fill] if longer_fill else [])))
     (again_s,) = timed(single.decode(1, SHORT_FILL))   # the machine's speed may have moved meanwhile
     kv_type = single.llm.kv_type or default_kv_type(single.llm.dtype)
     del single
@@ -255,8 +251,7 @@ def measure_timings(path, threads: int | None = None):
                             prefill_s=tuple(prefill_s), attention_tokens=n, prefill_split_s=split_s,
                             prefill_cached_s=cached_s, decode_long_s=long_s,
                             fill_longer=longer_fill + middle if longer_fill else None,
-                            decode_longer_s=longer[0] if longer else None, kv_types=tuple(other_kv),
-                            fill_mid=mid_fill + middle if mid_fill else None, decode_mid_s=mid_s)
+                            decode_longer_s=longer[0] if longer else None, kv_types=tuple(other_kv))
     others = [o for o, _ in records if o is not None]
     return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
 
@@ -352,7 +347,6 @@ def measure_engine(path, calibration, threads: int | None = None):
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "
-                      + (f"{t.decode_mid_s * 1e3:.2f} ms at {t.fill_mid:.0f} cached, " if t.decode_mid_s else "")
                       + (f"{t.decode_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached, " if t.decode_long_s else "")
                       + (f"{t.decode_longer_s * 1e3:.2f} ms at {t.fill_longer:.0f} cached, " if t.decode_longer_s else "")
                       + f"{t.decode_batch_s * 1e3:.2f} ms for {t.batch} "

@@ -291,32 +291,3 @@ def test_another_cache_types_decode_rates_come_from_its_own_fills():
     assert fit_host(profile, TRUE_HOST, "f16", free).kv_decode_flops == ()
     unseen = replace(t, kv_types=(("int8", *t.kv_types[0][1:4], short_batch),))   # the batch's flops never show
     assert fit_host(profile, TRUE_HOST, "f16", unseen).kv_decode_flops[0][2] == engine_fit.UNSEEN_RATE
-
-
-def test_one_rows_rate_over_the_own_cache_type_comes_from_the_middle_fill():
-    """Timings the model predicts for a host whose float16 decode attention runs one row at 80
-    GFLOP/s (rows from 4 on at attention_flops' 150) give that rate back from the middle fill (440
-    tokens: 2.7 MB, within the 3 MB the caches keep, so only the flops can explain its cost), the
-    other figures unchanged (the long fills stay bound by their bytes), every timing reproduced.
-    By hand, that row over 440 cached tokens costs 2 x 400 x 8 x 128 x 12 flops at 80 GFLOP/s more
-    than over 40, the bytes being free.
-    Without the middle fill, or with one that costs no more than the attention rate says, f16
-    gets no rate of its own (as before the middle fill existed)."""
-    profile = _toy()
-    truth = replace(TRUE_HOST, kv_decode_flops=(("f16", 80e9, TRUE_HOST.attention_flops, 4),))
-    m = _Model(profile, "f16")
-    flops = 2 * 400 * 8 * 128 * 12
-    assert m.decode(truth, 1, 440.0) - m.decode(truth, 1, 40.0) == pytest.approx(flops / 80e9, rel=1e-9)
-    t = replace(_timings(profile, truth), fill_mid=440.0, decode_mid_s=m.decode(truth, 1, 440.0))
-    fitted = fit_host(profile, replace(TRUE_HOST, kv_bandwidth=1e9), "f16", t)
-    ((name, one, batch, rows),) = fitted.kv_decode_flops
-    assert (name, rows) == ("f16", 4) and (one, batch) == pytest.approx((80e9, TRUE_HOST.attention_flops), rel=1e-3)
-    for name in ("kv_bandwidth", "kv_cached_bytes", "attention_flops", "decode_flops"):
-        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
-    assert fitted.layer_overhead_s == pytest.approx(150e-6 + 4 * 10e-6, rel=1e-3)   # the matmuls' fixed costs in it
-    r = residuals(profile, fitted, "f16", t)
-    assert set(r) >= {"decode_mid", "decode_long", "decode_longer"}
-    assert all(v == pytest.approx(1.0, rel=1e-4) for v in r.values()), r
-    assert fit_host(profile, TRUE_HOST, "f16", replace(t, fill_mid=None, decode_mid_s=None)).kv_decode_flops == ()
-    plain = replace(t, decode_mid_s=m.decode(TRUE_HOST, 1, 440.0))    # the attention rate explains it all
-    assert fit_host(profile, TRUE_HOST, "f16", plain).kv_decode_flops == ()
