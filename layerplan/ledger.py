@@ -174,10 +174,9 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
     for k, n_bytes in enumerate(kv):
         if n_bytes:
             items.append(LedgerItem(k, f"KV pool ({settings.n_ctx} x {settings.n_parallel} tokens)", n_bytes))
+    gpus_in_use = {k for k, usage in enumerate(placement.usage) if k != host and usage.buffer_bytes}
     for k, usage in enumerate(placement.usage):
-        planned_cuda = CUDA_CONTEXT_BYTES if k != host and usage.buffer_bytes else 0   # what the plan counts
-        cuda = ENGINE_CUDA_CONTEXT_BYTES if planned_cuda else 0
-        buffers = usage.buffer_bytes - planned_cuda
+        buffers = usage.buffer_bytes - (CUDA_CONTEXT_BYTES if k in gpus_in_use else 0)   # the plan counts its own
         if k == placement.head_device and buffers:
             # the plan sizes the head's buffer as llama.cpp reserves it, logits for a whole ubatch
             # (2 GiB for a 262k vocabulary at 2048 tokens); the engine projects only the rows it
@@ -187,9 +186,9 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
                 buffers += settings.n_parallel * profile.n_vocab * F32
         if buffers:
             items.append(LedgerItem(k, "compute buffers", buffers))
-        if cuda:
-            items.append(LedgerItem(k, "CUDA context, cuBLAS and kernels", cuda))
-    if any(usage.buffer_bytes for k, usage in enumerate(placement.usage) if k != host):
+        if k in gpus_in_use:
+            items.append(LedgerItem(k, "CUDA context, cuBLAS and kernels", ENGINE_CUDA_CONTEXT_BYTES))
+    if gpus_in_use:
         items.append(LedgerItem(host, "CUDA runtime (host side)", ENGINE_CUDA_HOST_BYTES))
     items.append(LedgerItem(host, "tokenizer (vocabulary and tables)", _tokenizer_bytes(header, profile.n_vocab)))
     if options.draft is not None:

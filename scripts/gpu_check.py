@@ -243,7 +243,7 @@ def main():
 
     if args.model:
         from localrun.models import resolve_model
-        path = resolve_model(args.model)
+        path = resolve_model(args.model, pull_missing=False)     # nothing can be fetched on a GPU machine
         placements(path, path.name, layerplan.profile_gguf(path).n_layers)
     with tempfile.TemporaryDirectory() as tmp:
         for spec in filter(None, args.synthetic.split(",")):
