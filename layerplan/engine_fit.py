@@ -1,7 +1,7 @@
 """The host's figures from timings of localrun's engine, fitted through layerplan's own speed model.
 
 localrun/calibrate_engine.py times the engine on the model's own file (decode steps at two depths,
-two batch sizes and three cache fills; prompt steps from an empty cache of several sizes and of one
+two batch sizes and four cache fills; prompt steps from an empty cache of several sizes and of one
 size split into `batch` prompts, and one after a cached prefix); this module finds the figures of the host `Device` that make the speed model
 (layerplan.speed.step_seconds) reproduce those timings. The decode figures come one by one, each
 from a difference of timings that, in the model, depends only on it and on the figures found
@@ -16,7 +16,9 @@ before it (bisection on the model, which is monotone in each):
      at no cost because the CPU's caches hold them between steps (`_fit_kv`): on a 2-core Zen 3
      (32 MB L3) one sequence's step cost the same at 32 and 1024 cached tokens of SmolLM2 and
      2-4 us per token more past that, so one bandwidth fitted on 44 and 2060 tokens predicted
-     4096 tokens 1.5x too fast;
+     4096 tokens 1.5x too fast. A fourth, middle fill makes the two figures a least-squares fit
+     (in another hour the same host's steps grew from the short fill on, and a knee put by the
+     long and longer fills alone missed every step at ~500 cached tokens by a quarter);
   2. decode flop/s: `batch` sequences against one, at the short fill (their decode rows' matmuls
      and the head's rows differ; attention by the bandwidth just found);
   3. per-layer overhead (with every matmul call's fixed cost): one sequence through all layers
@@ -81,6 +83,8 @@ class EngineTimings:
     decode_long_s: float | None = None   # one sequence, long fill, all layers (None: a calibration from before it)
     fill_longer: float | None = None     # a third fill, past the long one (None: not timed)
     decode_longer_s: float | None = None  # one sequence, the third fill, all layers
+    fill_middle: float | None = None     # a fill between the short and the long one (None: not timed)
+    decode_middle_s: float | None = None  # one sequence, the middle fill, all layers
     kv_types: tuple[tuple[str, float, float, float, float], ...] = ()  # (another KV type, seconds per decode
                                      # step over a cache of that type: one sequence at fill_short, at fill_long,
                                      # `batch` sequences at fill_short, at fill_long)
@@ -202,16 +206,19 @@ def _fit_once(m: _Model, h: Device, t: EngineTimings) -> Device:
 
 
 def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
-    """kv_bandwidth and kv_cached_bytes from the decode timings at two or three cache fills.
+    """kv_bandwidth and kv_cached_bytes from one sequence's decode timings at its cache fills.
 
-    With three fills (short, long, longer) of one sequence, the step's KV bytes B at each and the
-    time each adds over the short fill (d1, d2): a cache that holds C bytes between steps makes
-    the long fill cost (B1 - C) / bandwidth and the longer (B2 - C) / bandwidth, so bandwidth =
-    (B2 - B1) / (d2 - d1) and C = B1 - d1 * bandwidth (within 0..B1: a C below the short fill's
-    bytes cannot be told from 0, and a long fill that cost nothing says only that C >= B1). The
-    bandwidth is then solved on the model at that C from the longer fill, so the model's own
-    roofline (attention's flops) is respected. With two fills (or timings where the longer fill
-    is not the dearer: noise), C stays 0 and the bandwidth comes from the long fill, as before."""
+    Each fill past the short one adds to the step what the model says: its KV bytes beyond what
+    the CPU's caches keep between steps (kv_cached_bytes, C) at kv_bandwidth. With the short fill
+    and two more (long, longer) that is two differences for two figures, solved exactly; with a
+    third (the middle fill) the pair is the least-squares one (`_knee_line`), so no one timing
+    decides where the caches stop: on 2 Zen 3 cores the exact pair put C at 22 MB of SmolLM2's
+    cache, while the steps grew by ~2 us per cached token from the short fill on, and every step
+    at ~500 cached tokens was predicted 0.75-0.79x its time (docs/layerplan.md). The line is
+    fitted to the timings less what the model adds beyond it (attention's flops where they bind,
+    the short fill's own bytes), which are retaken at each round until the figures settle, so
+    timings the model predicts give back their figures exactly. With the long fill alone (or no
+    positive slope to see: noise), C stays 0 and the bandwidth comes from the long fill."""
     one_row = t.decode_long_s is not None
     rows, long_s, short_s = ((1, t.decode_long_s, t.decode_short_s) if one_row
                              else (t.batch, t.decode_batch_long_s, t.decode_batch_s))
@@ -219,24 +226,78 @@ def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
     def fill_cost(x: Device, fill: float) -> float:
         return m.decode(x, rows, fill) - m.decode(x, rows, t.fill_short)
 
-    def bandwidth(x: Device, fill: float, target: float) -> Device:
-        return replace(x, kv_bandwidth=_solve_rate(lambda bw: fill_cost(replace(x, kv_bandwidth=bw), fill), target,
-                                                   x.kv_bandwidth))
     h = replace(h, kv_cached_bytes=0.0, kv_batch_bandwidth=0.0, kv_batch_rows=0)
-    if not (one_row and t.decode_longer_s is not None and t.fill_longer):
-        return bandwidth(h, t.fill_long, long_s - short_s)
-    b1, b2 = (m.decode_kv_bytes(h, 1, f) for f in (t.fill_long, t.fill_longer))
-    d1, d2 = long_s - short_s, t.decode_longer_s - short_s
-    if not (d2 > max(d1, 0.0) and b2 > b1):
-        return bandwidth(h, t.fill_long, d1)
-    cached = min(b1, max(0.0, b1 - d1 * (b2 - b1) / (d2 - d1)))
-    for _ in range(20):   # the same through the model (its attention may be bound by flops at some fill)
-        h = bandwidth(replace(h, kv_cached_bytes=cached), t.fill_longer, d2)
-        step = (fill_cost(h, t.fill_long) - d1) * h.kv_bandwidth     # a C too low makes the long fill too dear
-        cached, before = min(b1, max(0.0, cached + step)), cached
-        if abs(cached - before) <= 1e-9 * b1:
+    plain = replace(h, kv_bandwidth=_solve_rate(lambda bw: fill_cost(replace(h, kv_bandwidth=bw), t.fill_long),
+                                                long_s - short_s, h.kv_bandwidth))
+    points = [(f, s) for f, s in ((t.fill_middle, t.decode_middle_s), (t.fill_long, long_s),
+                                  (t.fill_longer, t.decode_longer_s)) if f and s is not None]
+    if not one_row or len(points) < 2:
+        return plain
+    b0 = m.decode_kv_bytes(h, 1, t.fill_short)
+    fills, seconds = [f for f, _ in points], [s for _, s in points]
+    b = [m.decode_kv_bytes(h, 1, f) for f in fills]
+    weights = [1.0 / s ** 2 for s in seconds]      # relative to each step's time, as the plan is judged
+    beyond = [0.0] * len(points)                   # what the model adds to each fill beyond the line
+    x = plain
+    for _ in range(200):   # the model's extras move with C: settles by a constant factor a round
+        fit = _knee_line(b0, b, [s - short_s - a for s, a in zip(seconds, beyond)], weights)
+        if fit is None:
+            return plain
+        cached, per_byte = fit
+        x = replace(h, kv_cached_bytes=cached, kv_bandwidth=1.0 / per_byte)
+        line = [(max(0.0, bi - cached) - max(0.0, b0 - cached)) * per_byte for bi in b]
+        before, beyond = beyond, [fill_cost(x, f) - v for f, v in zip(fills, line)]
+        if max(abs(a - c) for a, c in zip(beyond, before)) <= 1e-9 * max(seconds):
             break
-    return bandwidth(replace(h, kv_cached_bytes=cached), t.fill_longer, d2)
+    return x
+
+
+def _knee_line(b0: float, b: list[float], d: list[float], w: list[float]) -> tuple[float, float] | None:
+    """(C, k): the bytes the caches hold and the seconds per byte beyond them that fit, in weighted
+    least squares, the costs d[i] of steps reading b[i] KV bytes over one reading b0 (< every b[i]):
+    d[i] ~ k * (max(0, b[i] - C) - max(0, b0 - C)), C within 0..the second-largest b (a C past
+    it leaves one fill to fit the slope alone), k > 0. Exact: on each stretch of C between the
+    bytes of two fills the fills read past C are fixed, and the fit there is a weighted line through
+    them (d = k b - k C), or its ends. Among fits equally good, the least C (a cost the timings do
+    not show is not assumed cached). None where no positive k fits (no cost to see)."""
+    order = sorted(b)
+    ends = sorted({0.0, *(v for v in [b0, *order[:-1]] if v <= order[-2])})
+    best = None
+
+    def consider(cached: float) -> None:
+        nonlocal best
+        e = [max(0.0, bi - cached) - max(0.0, b0 - cached) for bi in b]
+        see = sum(wi * ei * ei for wi, ei in zip(w, e))
+        if see <= 0:
+            return
+        k = sum(wi * ei * di for wi, ei, di in zip(w, e, d)) / see
+        if k <= 0:
+            return
+        sse = sum(wi * (k * ei - di) ** 2 for wi, ei, di in zip(w, e, d))
+        scale = sum(wi * di * di for wi, di in zip(w, d)) or 1.0
+        if best is None or sse < best[0] - 1e-12 * scale or (sse <= best[0] + 1e-12 * scale and cached < best[1]):
+            best = (sse, cached, k)
+
+    for lo, hi in zip(ends, ends[1:]):
+        for c in (lo, hi):
+            consider(c)
+        if hi <= b0:
+            continue                                   # the short fill reads past C too: C does not matter
+        past = [i for i, bi in enumerate(b) if bi >= hi]
+        sw = sum(w[i] for i in past)
+        if len(past) < 2 or sw <= 0:
+            continue
+        mb = sum(w[i] * b[i] for i in past) / sw
+        md = sum(w[i] * d[i] for i in past) / sw
+        sbb = sum(w[i] * (b[i] - mb) ** 2 for i in past)
+        if sbb <= 0:
+            continue
+        k = sum(w[i] * (b[i] - mb) * (d[i] - md) for i in past) / sbb
+        if k > 0:
+            cached = mb - md / k                       # the line d = k (b - C) through the weighted means
+            if lo < cached < hi:
+                consider(cached)
+    return None if best is None else (best[1], best[2])
 
 
 def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
@@ -346,6 +407,8 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
             **({"decode_long": t.decode_long_s / m.decode(host, 1, t.fill_long)} if t.decode_long_s is not None else {}),
             **({"decode_longer": t.decode_longer_s / m.decode(host, 1, t.fill_longer)}
                if t.decode_longer_s is not None and t.fill_longer else {}),
+            **({"decode_middle": t.decode_middle_s / m.decode(host, 1, t.fill_middle)}
+               if t.decode_middle_s is not None and t.fill_middle else {}),
             **{f"decode_long_{k[0]}": k[2] / _Model(profile, k[0]).decode(host, 1, t.fill_long) for k in t.kv_types},
             **{f"decode_batch_long_{k[0]}": k[4] / _Model(profile, k[0]).decode(host, t.batch, t.fill_long)
                for k in t.kv_types},

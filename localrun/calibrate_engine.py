@@ -8,8 +8,9 @@ GGUF file the way the engine builds it (`localrun.LLM`, at the thread count it w
 times the engine's own steps (`engine.step()`, one by one):
 
 - decode steps of one sequence at a short cache fill, through the model's first layers (and its
-  head) and through all of them, and at a long and a longer fill (what the CPU's caches keep of
-  the KV cache between steps, and the bandwidth past them), on engines built for one sequence;
+  head) and through all of them, and at a middle, a long and a longer fill (what the CPU's caches
+  keep of the KV cache between steps, and the bandwidth past them), on engines built for one
+  sequence;
 - decode steps of BATCH sequences at the short fill and at a long one;
 - decode steps of one sequence and of BATCH sequences, at the short and the long fill, over each
   of OTHER_KV_TYPES (an int8 or fp8 cache is half float16's bytes, but the kernel widens and
@@ -30,7 +31,7 @@ the CPU, with the cores they used meanwhile recorded (layerplan.quiet); a timing
 repeat makes the calibration suspect. A decode timing is the median of its steps, so one late
 step (a garbage collection) does not move it, and the fastest quiet repeat counts (other work only
 ever adds time). The decode timings of one engine are taken in turn within each repeat (short fill,
-long, longer; short, long, ...), so that their fastest come from the same rounds when the machine's
+middle, long, longer; short, ...), so that their fastest come from the same rounds when the machine's
 speed moves; the first is taken once more at the end, and a calibration across which it moved by
 more than layerplan.calibrate.DRIFT_LIMIT is suspect, as is one whose timings the fitted speed
 model misses by more than MISFIT_LIMIT (a slower phase of the host that met some timings and not
@@ -51,6 +52,8 @@ from dataclasses import dataclass, replace
 FUSED_MATMULS_PER_LAYER = 4   # localrun's llama block: wqkv, wo, w13 (gate|up), w2
 SHORT_FILL, LONG_FILL, LONGER_FILL = 32, 2048, 4096   # prompt tokens before the timed decode steps (within the
                                                       # trained context); the longer one on one sequence only
+MIDDLE_FILL = 512             # one sequence only: with the long and longer fills, a least-squares fit of the KV
+                              # the CPU's caches hold and the bandwidth past them (layerplan.engine_fit._fit_kv)
 BATCH = 4                     # sequences in the batched decode timings
 OTHER_KV_TYPES = ("int8", "fp8")  # the engine's quantized caches, timed besides the default one
 PROMPT_SIZES = (128, 384, 1024, 1536)   # prompts whose single prefill step is timed (within a short context)
@@ -210,6 +213,7 @@ def measure_timings(path, threads: int | None = None):
     n_short = max(1, n_layers // 3)
     room, long_fill = _long_fill(profile)
     longer_fill = min(LONGER_FILL, room) if min(LONGER_FILL, room) >= 1.5 * long_fill else None
+    middle_fill = MIDDLE_FILL if 2 * SHORT_FILL <= MIDDLE_FILL <= long_fill // 2 else None
     n = min(ATTENTION_TOKENS, room // 2)                        # the cached timing holds twice as many
     n -= n % BATCH
     sizes = tuple(sorted({max(1, min(size, n * size // ATTENTION_TOKENS)) for size in PROMPT_SIZES}))  # one step each
@@ -228,7 +232,9 @@ def measure_timings(path, threads: int | None = None):
     (shallow_s,) = timed(shallow.decode(1, SHORT_FILL))
     del shallow
     single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
-    short_s, long_s, *longer = timed(single.decode(1, SHORT_FILL, long_fill, *([longer_fill] if longer_fill else [])))
+    fills = [SHORT_FILL, *([middle_fill] if middle_fill else []), long_fill, *([longer_fill] if longer_fill else [])]
+    by_fill = dict(zip(fills, timed(single.decode(1, *fills))))
+    short_s, long_s = by_fill[SHORT_FILL], by_fill[long_fill]
     (again_s,) = timed(single.decode(1, SHORT_FILL))   # the machine's speed may have moved meanwhile
     kv_type = single.llm.kv_type or default_kv_type(single.llm.dtype)
     del single
@@ -251,7 +257,9 @@ def measure_timings(path, threads: int | None = None):
                             prefill_s=tuple(prefill_s), attention_tokens=n, prefill_split_s=split_s,
                             prefill_cached_s=cached_s, decode_long_s=long_s,
                             fill_longer=longer_fill + middle if longer_fill else None,
-                            decode_longer_s=longer[0] if longer else None, kv_types=tuple(other_kv))
+                            decode_longer_s=by_fill.get(longer_fill), kv_types=tuple(other_kv),
+                            fill_middle=middle_fill + middle if middle_fill else None,
+                            decode_middle_s=by_fill.get(middle_fill))
     others = [o for o, _ in records if o is not None]
     return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
 
@@ -347,6 +355,7 @@ def measure_engine(path, calibration, threads: int | None = None):
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "
+                      + (f"{t.decode_middle_s * 1e3:.2f} ms at {t.fill_middle:.0f} cached, " if t.decode_middle_s else "")
                       + (f"{t.decode_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached, " if t.decode_long_s else "")
                       + (f"{t.decode_longer_s * 1e3:.2f} ms at {t.fill_longer:.0f} cached, " if t.decode_longer_s else "")
                       + f"{t.decode_batch_s * 1e3:.2f} ms for {t.batch} "

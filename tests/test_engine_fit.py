@@ -291,3 +291,49 @@ def test_another_cache_types_decode_rates_come_from_its_own_fills():
     assert fit_host(profile, TRUE_HOST, "f16", free).kv_decode_flops == ()
     unseen = replace(t, kv_types=(("int8", *t.kv_types[0][1:4], short_batch),))   # the batch's flops never show
     assert fit_host(profile, TRUE_HOST, "f16", unseen).kv_decode_flops[0][2] == engine_fit.UNSEEN_RATE
+
+
+def test_the_knee_is_the_least_squares_one_by_hand():
+    """_knee_line: steps reading b bytes against one reading 1 byte, seconds d. By hand: d = b - 2
+    for b = 3, 5, 9 is the line k = 1 past C = 2; d = b - 1 is no knee (C = 0, the short fill's
+    byte cannot be told from it); 7.5 for the last puts the weighted line (means 17/3 and 11.5/3,
+    slope 20.333 / 18.667 = 1.0893) through C = 17/3 - 11.5/3 / 1.0893 = 2.1475; a cost that shows
+    at the last fill only puts C at the fill before it (the least the timings allow); no cost to
+    see gives None."""
+    from layerplan.engine_fit import _knee_line
+    ones = [1.0, 1.0, 1.0]
+    assert _knee_line(1.0, [3.0, 5.0, 9.0], [1.0, 3.0, 7.0], ones) == pytest.approx((2.0, 1.0))
+    assert _knee_line(1.0, [3.0, 5.0, 9.0], [2.0, 4.0, 8.0], ones) == pytest.approx((0.0, 1.0))
+    assert _knee_line(1.0, [3.0, 5.0, 9.0], [1.0, 3.0, 7.5], ones) == pytest.approx((2.1475, 1.0893), rel=1e-4)
+    assert _knee_line(1.0, [3.0, 5.0, 9.0], [0.0, 0.0, 4.0], ones) == pytest.approx((5.0, 1.0))
+    assert _knee_line(1.0, [3.0, 5.0, 9.0], [0.0, 0.0, 0.0], ones) is None
+    # the weights count: a heavy first fill pulls the line through it
+    c, k = _knee_line(1.0, [3.0, 5.0, 9.0], [1.0, 3.0, 7.5], [100.0, 1.0, 1.0])
+    assert abs(k * (3.0 - c) - 1.0) < abs(1.0893 * (3.0 - 2.1475) - 1.0)
+
+
+def test_a_middle_fill_gives_back_the_figures_and_keeps_one_noisy_fill_from_placing_the_knee():
+    """With a fourth fill (middle), timings the model predicts still give back kv_bandwidth and
+    kv_cached_bytes exactly (the line fitted to what the model adds beyond it, round after round).
+    And the case that made it: steps that grow by a line from the short fill on (nothing cached)
+    with the long fill's timing 10% fast. From the long and longer fills alone the fit puts a knee
+    at megabytes of cache and predicts the middle fill's step too fast by more than the noise;
+    with the middle fill it keeps every step within the noise."""
+    profile = _toy()
+    t = replace(_timings(profile, TRUE_HOST), fill_middle=520.0,
+                decode_middle_s=_Model(profile, "f16").decode(TRUE_HOST, 1, 520.0))
+    fitted = fit_host(profile, replace(TRUE_HOST, kv_cached_bytes=0.0, kv_bandwidth=1e9), "f16", t)
+    assert fitted.kv_cached_bytes == pytest.approx(3e6, rel=1e-6)
+    assert fitted.kv_bandwidth == pytest.approx(9e9, rel=1e-6)
+    assert all(r == pytest.approx(1.0, rel=1e-6) for r in residuals(profile, fitted, "f16", t).values())
+
+    linear = replace(TRUE_HOST, kv_cached_bytes=0.0, kv_bandwidth=2e9, attention_flops=1e15)
+    m = _Model(profile, "f16")
+    noisy = replace(_timings(profile, linear), decode_long_s=0.9 * m.decode(linear, 1, 1040.0),
+                    fill_middle=520.0, decode_middle_s=m.decode(linear, 1, 520.0))
+    three = fit_host(profile, linear, "f16", replace(noisy, fill_middle=None, decode_middle_s=None))
+    four = fit_host(profile, linear, "f16", noisy)
+    assert three.kv_cached_bytes > 1e6 and four.kv_cached_bytes < three.kv_cached_bytes / 2
+    middle = {name: residuals(profile, fitted, "f16", noisy)["decode_middle"] for name, fitted in
+              (("three", three), ("four", four))}
+    assert middle["three"] > 1.1 > middle["four"] > 0.9
