@@ -33,7 +33,11 @@ from pathlib import Path
 from layerplan import quiet
 from layerplan.devices import Device, Machine
 
-CALIBRATION_FILE = "calibration.json"
+CALIBRATION_FILE = "calibration.json"   # the latest calibration of this machine, whatever model timed its engine
+ENGINE_FILE = "engine-{key}.json"       # and the latest one of each model file (engine_key): the fitted figures
+                                        # are the host's through one model's shapes, and two models' differ by more
+                                        # than the host moves (2 Zen 3 cores, one hour: KV read at 4.1 GB/s through
+                                        # gemma-3-270m's 256-wide heads, 7.9 through SmolLM2's)
 # What the fitted figures mean to the speed model; bumped when that changes (2: a prompt chunk after
 # cached tokens attends them unmasked and its own tokens causally), so that older measurements,
 # fitted under the old meaning, are measured again rather than misread. Also bumped when the
@@ -101,6 +105,7 @@ class Calibration:
     engine_reference_long_s: float | None = None  # and at the long fill: memory-bound, it moves with the host's
                                                   # memory traffic, which the short one barely sees
     misfit: float | None = None      # the engine calibration's worst timing, |measured / modelled - 1| after the fit
+    engine_key: str = ""             # the model file the engine calibration timed (engine_key(path)), '' for none
     host_kv_decode_flops: dict[str, list[float]] | None = None  # KV type -> [flop/s of one decode row's attention
                                                 # over such a cache, of a batch's, the batch's rows] (engine
                                                 # calibration, the quantized types it times)
@@ -368,19 +373,47 @@ def measure(machine: Machine, dtype: str = "f32", threads: int | None = None) ->
                        other_cpu=other_cpu, suspect=is_suspect(before, after, host.get("threads") or 1, other_cpu))
 
 
+def engine_key(model_path) -> str:
+    """Which model file an engine calibration belongs to: its name and size (the same file, the
+    same shapes and kernels; a re-quantized one differs in size)."""
+    path = Path(model_path)
+    return f"{path.name}|{path.stat().st_size}"
+
+
+def _engine_path(key: str, cache_dir: Path | None) -> Path:
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return (cache_dir or default_cache_dir()) / ENGINE_FILE.format(key=digest)
+
+
 def save(calibration: Calibration, cache_dir: Path | None = None) -> Path | None:
-    """Write the calibration for later plans; None (nothing written) when it is suspect."""
+    """Write the calibration for later plans (as this machine's latest and, when it timed a model's
+    engine, as that model's); None (nothing written) when it is suspect."""
     if calibration.suspect:
         return None
     path = (cache_dir or default_cache_dir()) / CALIBRATION_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(calibration), indent=2) + "\n")
+    text = json.dumps(asdict(calibration), indent=2) + "\n"
+    path.write_text(text)
+    if calibration.engine_key:
+        _engine_path(calibration.engine_key, cache_dir).write_text(text)
     return path
 
 
-def load(machine: Machine, cache_dir: Path | None = None) -> Calibration | None:
-    """The cached calibration of this machine, or None (none cached, unreadable, or another machine's)."""
-    path = (cache_dir or default_cache_dir()) / CALIBRATION_FILE
+def load(machine: Machine, cache_dir: Path | None = None, model=None) -> Calibration | None:
+    """The cached calibration of this machine, or None (none cached, unreadable, or another machine's).
+    With `model` (a GGUF path), the calibration of that model's engine where one was saved, else
+    the machine's latest (another model's engine figures: the host's, seen through other shapes)."""
+    if model is not None:
+        try:
+            own = _read(_engine_path(engine_key(model), cache_dir), machine)
+        except OSError:         # no such file to key on
+            own = None
+        if own is not None:
+            return own
+    return _read((cache_dir or default_cache_dir()) / CALIBRATION_FILE, machine)
+
+
+def _read(path: Path, machine: Machine) -> Calibration | None:
     try:
         raw = json.loads(path.read_text())
         calibration = Calibration(**{**raw, "gpus": tuple(GPUCalibration(**g) for g in raw.get("gpus", ()))})
@@ -417,6 +450,9 @@ def apply(machine: Machine, calibration: Calibration) -> Machine:
                    causal_attention_flops=calibration.host_causal_attention_flops or 0.0,
                    kv_decode_flops=tuple((name, one, batch, int(rows)) for name, (one, batch, rows)
                                          in sorted((calibration.host_kv_decode_flops or {}).items())),
-                   source=(f"measured {calibration.dtype}" + (" with localrun's engine" if calibration.engine_model else "")
+                   source=(f"measured {calibration.dtype}"
+                           + (" with localrun's engine" if calibration.engine_model else "")
+                           + (f" on {calibration.engine_key.split('|')[0]}"
+                              if calibration.engine_model and calibration.engine_key else "")
                            + (f", suspect: {calibration.suspect_cause}" if calibration.suspect else "")))
     return Machine(gpus=tuple(_calibrated_gpu(g, measured) for g in machine.gpus), host=host)

@@ -326,7 +326,7 @@ def measure_engine(path, calibration, threads: int | None = None):
     """`calibration` (layerplan.calibrate.Calibration of this host) with the engine's own figures
     for the model at `path`, fitted through the speed model (layerplan.engine_fit)."""
     import layerplan
-    from layerplan.calibrate import DRIFT_LIMIT, MISFIT_LIMIT, apply
+    from layerplan.calibrate import DRIFT_LIMIT, MISFIT_LIMIT, apply, engine_key
     from layerplan.engine_fit import fit_host, residuals
     from layerplan.probe import probe_host
 
@@ -368,7 +368,7 @@ def measure_engine(path, calibration, threads: int | None = None):
                                 for name, short, long, batch, batch_long in t.kv_types)
                       + f"the model reproduces these within {worst:.1%} (worst: {worst_name})"
                       + (f"; the first timing, retaken last, moved by {drift:.1%}" if drift is not None else "")),
-        backend="engine",
+        backend="engine", engine_key=engine_key(path),
     )
 
 

@@ -73,7 +73,7 @@ def predicted(model_path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int) -> 
         from layerplan import calibrate
         from localrun.calibrate_engine import engine_profile
         local = layerplan.build_machine()
-        machine = layerplan.build_machine(calibration=calibrate.load(local))
+        machine = layerplan.build_machine(calibration=calibrate.load(local, model=model_path))
         plan = layerplan.plan(engine_profile(model_path), machine, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers,
                               prompt_tokens=prompt_tokens, with_sweep=False)
         return plan.predicted.prefill_tok_s, plan.predicted.decode_tok_s

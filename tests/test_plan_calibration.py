@@ -88,3 +88,30 @@ def test_waiting_for_quiet_stops_at_the_first_quiet_sample_or_the_deadline():
 def test_measured_other_work_decides_suspect_over_the_load_average(other_cpu, suspect):
     # a high load average (our previous run still in it) does not matter once other work is measured
     assert calibrate.is_suspect(1.8, 3.5, 2, other_cpu) is suspect
+
+
+def test_each_model_keeps_its_own_engine_calibration(tmp_path):
+    """Two models' engine calibrations on one machine: a plan for either reads its own model's
+    figures; a model never timed reads the machine's latest; a file changed since (another size)
+    is another model; and the source says which model timed the figures."""
+    machine = build_machine(probe_gpus=False)
+    a, b, c = (tmp_path / name for name in ("a.gguf", "b.gguf", "c.gguf"))
+    for path, size in ((a, 10), (b, 20), (c, 30)):
+        path.write_bytes(b"\0" * size)
+    cal_a = _calibration(machine, host_kv_bandwidth=7.9e9, engine_key=calibrate.engine_key(a))
+    cal_b = _calibration(machine, host_kv_bandwidth=4.1e9, engine_key=calibrate.engine_key(b))
+    cache = tmp_path / "cache"
+    calibrate.save(cal_a, cache)
+    calibrate.save(cal_b, cache)
+    assert calibrate.load(machine, cache, model=a) == cal_a
+    assert calibrate.load(machine, cache, model=b) == cal_b
+    assert calibrate.load(machine, cache, model=c) == cal_b == calibrate.load(machine, cache)   # the latest
+    assert calibrate.load(machine, cache, model=tmp_path / "gone.gguf") == cal_b
+    a.write_bytes(b"\0" * 11)                                  # re-quantized, say: not the file timed
+    assert calibrate.load(machine, cache, model=a) == cal_b
+    assert calibrate.engine_key(b) == "b.gguf|20"
+    assert calibrate.apply(machine, replace(cal_b, engine_model="b: ...")).host.source.endswith(
+        " with localrun's engine on b.gguf")
+    # a suspect one replaces neither
+    calibrate.save(replace(cal_b, suspect=True, host_kv_bandwidth=1.0), cache)
+    assert calibrate.load(machine, cache, model=b) == cal_b

@@ -96,7 +96,7 @@ def plan(
     profile = load_profile(model)
     try:
         local = layerplan.build_machine()
-        calibration = calibrate.load(local)
+        calibration = calibrate.load(local, model=profile.path)   # this model's engine figures, where timed
         if measure:
             dtype, threads = _engine_compute()
             calibration = calibrate.measure(local, dtype=dtype, threads=threads)
