@@ -340,6 +340,7 @@ def measure_engine(path, calibration, threads: int | None = None):
     t = timings
     return replace(
         calibration,
+        host_bandwidth=fitted.memory_bandwidth,      # the matvec's, or the engine's where its steps need more
         host_layer_overhead_s=fitted.layer_overhead_s, host_step_overhead_s=fitted.step_overhead_s,
         host_matmul_overhead_s=fitted.matmul_overhead_s,
         host_kv_bandwidth=fitted.kv_bandwidth, host_kv_cached_bytes=fitted.kv_cached_bytes,

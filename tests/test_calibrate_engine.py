@@ -94,7 +94,8 @@ def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsy
     for figure in (tuned.host_decode_flops, tuned.host_kv_bandwidth, tuned.host_attention_flops):
         assert figure == 0.0 or 0 < figure < 1e16      # 0: too small to see on a tiny model, the default kept
     assert tuned.host_layer_overhead_s >= 0 and tuned.host_step_overhead_s >= 0
-    assert (tuned.host_bandwidth, tuned.fingerprint) == (20e9, "x")      # the micro-benchmarks' figures stay
+    assert tuned.fingerprint == "x"
+    assert tuned.host_bandwidth == 20e9     # the micro-benchmarks' figure stays: a tiny model's steps are all overhead
     host = Device("CPU", "cpu", 1 << 34, 1 << 34, memory_bandwidth=1e10, compute_flops=1e10)
     machine = calibrate.apply(Machine(gpus=(), host=host), tuned)
     assert machine.host.decode_flops == tuned.host_decode_flops and machine.host.attention_flops == tuned.host_attention_flops

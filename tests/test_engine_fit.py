@@ -337,3 +337,22 @@ def test_a_middle_fill_gives_back_the_figures_and_keeps_one_noisy_fill_from_plac
     middle = {name: residuals(profile, fitted, "f16", noisy)["decode_middle"] for name, fitted in
               (("three", three), ("four", four))}
     assert middle["three"] > 1.1 > middle["four"] > 0.9
+
+
+def test_steps_faster_than_the_given_bandwidth_allows_fit_the_engines_own():
+    """The engine streamed its weights at 60 GB/s and had no per-step cost; the micro-benchmarks
+    said 30. At 30 the model makes the whole step slower than measured whatever the overheads
+    (they cannot go below 0): the fit takes the least bandwidth that reaches the step, 60, with
+    the layer overhead refitted, and then reproduces every timing. Where the given bandwidth is
+    enough (the per-step cost positive), it stays as given (the other tests)."""
+    profile = _toy()
+    true = replace(TRUE_HOST, memory_bandwidth=60e9, step_overhead_s=0.0, matmul_overhead_s=0.0,
+                   decode_flops=400e9)     # one row reads its weights longer than it multiplies them
+    t = _timings(profile, true)
+    fitted = fit_host(profile, replace(true, memory_bandwidth=30e9), "f16", t)
+    assert fitted.memory_bandwidth == pytest.approx(60e9, rel=1e-3)
+    assert fitted.layer_overhead_s == pytest.approx(150e-6, rel=1e-3) and fitted.step_overhead_s < 1e-9
+    assert all(r == pytest.approx(1.0, rel=1e-3) for r in residuals(profile, fitted, "f16", t).values())
+    # a faster bandwidth given is not lowered: the per-step cost takes the difference
+    faster = fit_host(profile, replace(true, memory_bandwidth=90e9), "f16", t)
+    assert faster.memory_bandwidth == 90e9 and faster.step_overhead_s > 0
