@@ -85,6 +85,7 @@ class EngineTimings:
     decode_longer_s: float | None = None  # one sequence, the third fill, all layers
     fill_middle: float | None = None     # a fill between the short and the long one (None: not timed)
     decode_middle_s: float | None = None  # one sequence, the middle fill, all layers
+    decode_batch_middle_s: float | None = None  # `batch` sequences, the middle fill, all layers
     kv_types: tuple[tuple[str, float, float, float, float], ...] = ()  # (another KV type, seconds per decode
                                      # step over a cache of that type: one sequence at fill_short, at fill_long,
                                      # `batch` sequences at fill_short, at fill_long)
@@ -319,19 +320,49 @@ def _knee_line(b0: float, b: list[float], d: list[float], w: list[float]) -> tup
 
 def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
     """kv_batch_bandwidth (at kv_batch_rows = t.batch rows) from the batch's decode timings at the
-    long fill against the short one, with one sequence's figures (_fit_kv) in place: the rate at
-    which the batch's KV beyond the caches reads. Left at 0 (every step at kv_bandwidth) where one
-    sequence's timings are missing (the batch's then gave kv_bandwidth itself) or the batch's long
-    fill cost nothing to see."""
+    long fill (and the middle one, where timed) against the short one, with one sequence's figures
+    (_fit_kv) in place: the rate at which the batch's KV beyond the caches reads. With both fills
+    the rate is the one whose modelled costs fit both best (weighted least squares of the step
+    times, `_best_rate`): on 2 Zen 4 cores four rows' cost per cached token was steeper up to ~500
+    tokens than past it, and the long fill alone put a 4-sequence step at ~500 cached tokens at
+    11.3 ms where it took ~14.8. Left at 0 (every step at kv_bandwidth) where one sequence's
+    timings are missing (the batch's then gave kv_bandwidth itself) or no fill cost anything to see."""
     if t.decode_long_s is None or t.batch <= 1:
         return h
     x = replace(h, kv_batch_rows=t.batch)
 
-    def fill_cost(bw: float) -> float:
+    def fill_cost(bw: float, fill: float) -> float:
         y = replace(x, kv_batch_bandwidth=bw)
-        return m.decode(y, t.batch, t.fill_long) - m.decode(y, t.batch, t.fill_short)
-    rate = _solve_rate(fill_cost, t.decode_batch_long_s - t.decode_batch_s, 0.0)
+        return m.decode(y, t.batch, fill) - m.decode(y, t.batch, t.fill_short)
+    rate = _solve_rate(lambda bw: fill_cost(bw, t.fill_long), t.decode_batch_long_s - t.decode_batch_s, 0.0)
+    if t.fill_middle and t.decode_batch_middle_s is not None:
+        points = ((t.fill_middle, t.decode_batch_middle_s), (t.fill_long, t.decode_batch_long_s))
+        rate = _best_rate(lambda bw: [fill_cost(bw, f) for f, _ in points],
+                          [s - t.decode_batch_s for _, s in points], [1.0 / s ** 2 for _, s in points]) or rate
     return replace(x, kv_batch_bandwidth=rate) if rate else h
+
+
+def _best_rate(costs_at, measured: list[float], weights: list[float]) -> float:
+    """The rate r (within RATE_RANGE) whose costs_at(r), each decreasing in r, fit `measured` best in
+    weighted least squares: golden-section search on log r (the costs are sums of terms in 1/r,
+    their squared misfit has one minimum). 0.0 where the best is the top of the range (no cost seen)."""
+    def misfit(log_r: float) -> float:
+        return sum(w * (c - v) ** 2 for c, v, w in zip(costs_at(math.exp(log_r)), measured, weights))
+    lo, hi = (math.log(r) for r in RATE_RANGE)
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = misfit(a), misfit(b)
+    for _ in range(120):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = misfit(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = misfit(b)
+    rate = math.exp((lo + hi) / 2)
+    return 0.0 if rate >= UNSEEN_RATE else rate
 
 
 def _fit_kv_types(profile: ModelProfile, h: Device, t: EngineTimings) -> Device:
@@ -426,6 +457,8 @@ def residuals(profile: ModelProfile, host: Device, kv_type: str, t: EngineTiming
                if t.decode_longer_s is not None and t.fill_longer else {}),
             **({"decode_middle": t.decode_middle_s / m.decode(host, 1, t.fill_middle)}
                if t.decode_middle_s is not None and t.fill_middle else {}),
+            **({"decode_batch_middle": t.decode_batch_middle_s / m.decode(host, t.batch, t.fill_middle)}
+               if t.decode_batch_middle_s is not None and t.fill_middle else {}),
             **{f"decode_long_{k[0]}": k[2] / _Model(profile, k[0]).decode(host, 1, t.fill_long) for k in t.kv_types},
             **{f"decode_batch_long_{k[0]}": k[4] / _Model(profile, k[0]).decode(host, t.batch, t.fill_long)
                for k in t.kv_types},

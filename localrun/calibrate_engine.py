@@ -11,7 +11,7 @@ times the engine's own steps (`engine.step()`, one by one):
   head) and through all of them, and at a middle, a long and a longer fill (what the CPU's caches
   keep of the KV cache between steps, and the bandwidth past them), on engines built for one
   sequence;
-- decode steps of BATCH sequences at the short fill and at a long one;
+- decode steps of BATCH sequences at the short fill, the middle one and the long one;
 - decode steps of one sequence and of BATCH sequences, at the short and the long fill, over each
   of OTHER_KV_TYPES (an int8 or fp8 cache is half float16's bytes, but the kernel widens and
   scales each value: on 2 Zen 3 cores one sequence's decode steps at 2048 cached tokens were as
@@ -248,7 +248,8 @@ def measure_timings(path, threads: int | None = None):
         del batch
     drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
-    batch_s, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, long_fill))
+    batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *([middle_fill] if middle_fill else []),
+                                                             long_fill))
     *prefill_s, split_s, cached_s = timed(full.prefill(sizes, n))
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
@@ -259,7 +260,8 @@ def measure_timings(path, threads: int | None = None):
                             fill_longer=longer_fill + middle if longer_fill else None,
                             decode_longer_s=by_fill.get(longer_fill), kv_types=tuple(other_kv),
                             fill_middle=middle_fill + middle if middle_fill else None,
-                            decode_middle_s=by_fill.get(middle_fill))
+                            decode_middle_s=by_fill.get(middle_fill),
+                            decode_batch_middle_s=batch_middle[0] if batch_middle else None)
     others = [o for o, _ in records if o is not None]
     return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
 
@@ -359,8 +361,10 @@ def measure_engine(path, calibration, threads: int | None = None):
                       + (f"{t.decode_middle_s * 1e3:.2f} ms at {t.fill_middle:.0f} cached, " if t.decode_middle_s else "")
                       + (f"{t.decode_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached, " if t.decode_long_s else "")
                       + (f"{t.decode_longer_s * 1e3:.2f} ms at {t.fill_longer:.0f} cached, " if t.decode_longer_s else "")
-                      + f"{t.decode_batch_s * 1e3:.2f} ms for {t.batch} "
-                      f"sequences, {t.decode_batch_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached; prompt steps "
+                      + f"{t.decode_batch_s * 1e3:.2f} ms for {t.batch} sequences, "
+                      + (f"{t.decode_batch_middle_s * 1e3:.2f} ms at {t.fill_middle:.0f} cached, "
+                         if t.decode_batch_middle_s else "")
+                      + f"{t.decode_batch_long_s * 1e3:.2f} ms at {t.fill_long:.0f} cached; prompt steps "
                       + ", ".join(f"{s * 1e3:.0f} ms for {n} tokens" for n, s in zip(t.prompt_tokens, t.prefill_s))
                       + f", {t.prefill_split_s * 1e3:.0f} ms for {t.batch} prompts of {t.attention_tokens // t.batch}"
                       f", {t.prefill_cached_s * 1e3:.0f} ms for {t.attention_tokens} after as many cached; "

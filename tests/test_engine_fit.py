@@ -356,3 +356,27 @@ def test_steps_faster_than_the_given_bandwidth_allows_fit_the_engines_own():
     # a faster bandwidth given is not lowered: the per-step cost takes the difference
     faster = fit_host(profile, replace(true, memory_bandwidth=90e9), "f16", t)
     assert faster.memory_bandwidth == 90e9 and faster.step_overhead_s > 0
+
+
+def test_the_batch_rate_fits_its_middle_and_long_fills_together():
+    """With the batch timed at a middle fill too, its rate is the one that fits both of its fills
+    best: timings the model predicts give it back exactly; a batch whose middle fill cost more than
+    its long fill's line says (a steeper start) gets a lower rate than from the long fill alone,
+    and its middle step is then predicted closer while its long one moves less than the middle's
+    miss was."""
+    profile = _toy()
+    m = _Model(profile, "f16")
+    host = replace(TRUE_HOST, kv_batch_bandwidth=4.5e9, kv_batch_rows=4)
+    t = replace(_timings(profile, host), fill_middle=520.0, decode_middle_s=m.decode(host, 1, 520.0),
+                decode_batch_middle_s=m.decode(host, 4, 520.0))
+    fitted = fit_host(profile, replace(TRUE_HOST, kv_batch_bandwidth=0.0), "f16", t)
+    assert fitted.kv_batch_bandwidth == pytest.approx(4.5e9, rel=1e-6)
+    assert residuals(profile, fitted, "f16", t)["decode_batch_middle"] == pytest.approx(1.0, rel=1e-6)
+    steep = replace(t, decode_batch_middle_s=t.decode_batch_s + 1.5 * (t.decode_batch_middle_s - t.decode_batch_s))
+    both = fit_host(profile, TRUE_HOST, "f16", steep)
+    long_only = fit_host(profile, TRUE_HOST, "f16", replace(steep, decode_batch_middle_s=None))
+    assert long_only.kv_batch_bandwidth == pytest.approx(4.5e9, rel=1e-6)
+    assert both.kv_batch_bandwidth < long_only.kv_batch_bandwidth
+    r_both, r_long = (residuals(profile, f, "f16", steep) for f in (both, long_only))
+    assert abs(r_both["decode_batch_middle"] - 1) < abs(r_long["decode_batch_middle"] - 1)
+    assert abs(r_both["decode_batch_long"] - 1) < abs(r_long["decode_batch_middle"] - 1)
