@@ -51,8 +51,10 @@ ENGINE_FILE = "engine-{key}.json"       # and the latest one of each model file 
 # hold between steps, free in the model; 7: the AVX2 lane kernel's 6-row passes, and a decode batch's
 # own KV read rate; 8: decode attention's rate over an int8 or fp8 cache, timed on its own, and the
 # attention kernel's prefetches in parts, with a quantized pool's scales; 10: a middle decode fill,
-# and the cached KV and its bandwidth a least-squares fit over the three fills past the short one;
-# 9 was a reverted middle-fill attempt whose saved calibrations must not be read as 10's).
+# the cached KV and its bandwidth a least-squares fit over the three fills past the short one, the
+# batch's rate over its middle and long fills, and the memory bandwidth the engine's where its
+# steps need more than the matvec's; 9 was a reverted middle-fill attempt whose saved calibrations
+# must not be read as 10's).
 SPEED_MODEL_REVISION = 10
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
