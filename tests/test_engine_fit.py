@@ -291,6 +291,12 @@ def test_another_cache_types_decode_rates_come_from_its_own_fills():
     assert fit_host(profile, TRUE_HOST, "f16", free).kv_decode_flops == ()
     unseen = replace(t, kv_types=(("int8", *t.kv_types[0][1:4], short_batch),))   # the batch's flops never show
     assert fit_host(profile, TRUE_HOST, "f16", unseen).kv_decode_flops[0][2] == engine_fit.UNSEEN_RATE
+    # one row's long fill free, the batch's dear: one row never binds, the batch keeps its rate
+    one_free = replace(t, kv_types=(("int8", short_one, short_one, *t.kv_types[0][3:5]),))
+    kept = fit_host(profile, TRUE_HOST, "f16", one_free)
+    (name, one, batch, rows), = kept.kv_decode_flops
+    assert (name, one, rows) == ("q8_0", engine_fit.UNSEEN_RATE, 4) and 1e9 < batch < 1e12
+    assert residuals(profile, kept, "f16", one_free)["decode_batch_long_int8"] == pytest.approx(1.0, rel=1e-6)
 
 
 def test_the_knee_is_the_least_squares_one_by_hand():
