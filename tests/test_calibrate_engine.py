@@ -87,8 +87,10 @@ def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsy
     monkeypatch.setattr(calibrate_engine, "MIDDLE_FILL", 96)   # the tiny model's 256 tokens hold no 512
     base = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=300e-6,
                                  other_cpu=0.0)    # torch's matvec overhead, as the micro-benchmarks found it on a Zen 3
-    tuned = measure_engine(tiny_gguf("Q4_0", n_layers=3), base, threads=1)
+    model = tiny_gguf("Q4_0", n_layers=3)
+    tuned = measure_engine(model, base, threads=1)
     assert tuned.backend == "engine" and "3 layers" in tuned.engine_model and "1 threads" in tuned.engine_model
+    assert tuned.engine_key == calibrate.engine_key(model)      # saved as this model's own (test_plan_calibration)
     assert " ms at 99 cached, " in tuned.engine_model     # the middle fill (96 + half the 6 decode steps)
     assert 0 < tuned.host_flops < 1e16
     for figure in (tuned.host_decode_flops, tuned.host_kv_bandwidth, tuned.host_attention_flops):
