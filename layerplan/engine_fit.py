@@ -256,7 +256,6 @@ def _fit_kv(m: _Model, h: Device, t: EngineTimings) -> Device:
     b = [m.decode_kv_bytes(h, 1, f) for f in fills]
     weights = [1.0 / s ** 2 for s in seconds]      # relative to each step's time, as the plan is judged
     beyond = [0.0] * len(points)                   # what the model adds to each fill beyond the line
-    x = plain
     for _ in range(200):   # the model's extras move with C: settles by a constant factor a round
         fit = _knee_line(b0, b, [s - short_s - a for s, a in zip(seconds, beyond)], weights)
         if fit is None:
@@ -278,8 +277,7 @@ def _knee_line(b0: float, b: list[float], d: list[float], w: list[float]) -> tup
     bytes of two fills the fills read past C are fixed, and the fit there is a weighted line through
     them (d = k b - k C), or its ends. Among fits equally good, the least C (a cost the timings do
     not show is not assumed cached). None where no positive k fits (no cost to see)."""
-    order = sorted(b)
-    ends = sorted({0.0, *(v for v in [b0, *order[:-1]] if v <= order[-2])})
+    ends = sorted({0.0, b0, *sorted(b)[:-1]})      # every stretch's ends, up to the second-largest b
     best = None
 
     def consider(cached: float) -> None:
@@ -322,10 +320,10 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
     """kv_batch_bandwidth (at kv_batch_rows = t.batch rows) from the batch's decode timings at the
     long fill (and the middle one, where timed) against the short one, with one sequence's figures
     (_fit_kv) in place: the rate at which the batch's KV beyond the caches reads. With both fills
-    the rate is the one whose modelled costs fit both best (weighted least squares of the step
-    times, `_best_rate`): on 2 Zen 4 cores four rows' cost per cached token was steeper up to ~500
-    tokens than past it, and the long fill alone put a 4-sequence step at ~500 cached tokens at
-    11.3 ms where it took ~14.8. Left at 0 (every step at kv_bandwidth) where one sequence's
+    the rate is the one whose modelled steps fit both best (least squares of the logs of the step
+    times, `_solve_logs`, as the prompt figures): on 2 Zen 4 cores four rows' cost per cached
+    token was steeper up to ~500 tokens than past it, and the long fill alone put a 4-sequence
+    step at ~500 cached tokens at 11.3 ms where it took ~14.8. Left at 0 (every step at kv_bandwidth) where one sequence's
     timings are missing (the batch's then gave kv_bandwidth itself) or no fill cost anything to see."""
     if t.decode_long_s is None or t.batch <= 1:
         return h
@@ -336,33 +334,15 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
         return m.decode(y, t.batch, fill) - m.decode(y, t.batch, t.fill_short)
     rate = _solve_rate(lambda bw: fill_cost(bw, t.fill_long), t.decode_batch_long_s - t.decode_batch_s, 0.0)
     if t.fill_middle and t.decode_batch_middle_s is not None:
-        points = ((t.fill_middle, t.decode_batch_middle_s), (t.fill_long, t.decode_batch_long_s))
-        rate = _best_rate(lambda bw: [fill_cost(bw, f) for f, _ in points],
-                          [s - t.decode_batch_s for _, s in points], [1.0 / s ** 2 for _, s in points]) or rate
+        # both fills' steps as the measured short step plus the modelled fill cost (the per-layer and
+        # per-step costs are fitted after this, so only differences are the model's yet), in least
+        # squares of their logs
+        fills = (t.fill_middle, t.fill_long)
+        (log_rate,) = _solve_logs(
+            lambda logs: [t.decode_batch_s + fill_cost(math.exp(logs[0]), f) for f in fills],
+            [t.decode_batch_middle_s, t.decode_batch_long_s], [math.log(rate or x.kv_bandwidth or 1e9)])
+        rate = math.exp(log_rate) if math.exp(log_rate) < UNSEEN_RATE else 0.0
     return replace(x, kv_batch_bandwidth=rate) if rate else h
-
-
-def _best_rate(costs_at, measured: list[float], weights: list[float]) -> float:
-    """The rate r (within RATE_RANGE) whose costs_at(r), each decreasing in r, fit `measured` best in
-    weighted least squares: golden-section search on log r (the costs are sums of terms in 1/r,
-    their squared misfit has one minimum). 0.0 where the best is the top of the range (no cost seen)."""
-    def misfit(log_r: float) -> float:
-        return sum(w * (c - v) ** 2 for c, v, w in zip(costs_at(math.exp(log_r)), measured, weights))
-    lo, hi = (math.log(r) for r in RATE_RANGE)
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-    fa, fb = misfit(a), misfit(b)
-    for _ in range(120):
-        if fa <= fb:
-            hi, b, fb = b, a, fa
-            a = hi - ratio * (hi - lo)
-            fa = misfit(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + ratio * (hi - lo)
-            fb = misfit(b)
-    rate = math.exp((lo + hi) / 2)
-    return 0.0 if rate >= UNSEEN_RATE else rate
 
 
 def _fit_kv_types(profile: ModelProfile, h: Device, t: EngineTimings) -> Device:

@@ -214,6 +214,7 @@ def measure_timings(path, threads: int | None = None):
     room, long_fill = _long_fill(profile)
     longer_fill = min(LONGER_FILL, room) if min(LONGER_FILL, room) >= 1.5 * long_fill else None
     middle_fill = MIDDLE_FILL if 2 * SHORT_FILL <= MIDDLE_FILL <= long_fill // 2 else None
+    middle_fills = [middle_fill] if middle_fill else []
     n = min(ATTENTION_TOKENS, room // 2)                        # the cached timing holds twice as many
     n -= n % BATCH
     sizes = tuple(sorted({max(1, min(size, n * size // ATTENTION_TOKENS)) for size in PROMPT_SIZES}))  # one step each
@@ -232,7 +233,7 @@ def measure_timings(path, threads: int | None = None):
     (shallow_s,) = timed(shallow.decode(1, SHORT_FILL))
     del shallow
     single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
-    fills = [SHORT_FILL, *([middle_fill] if middle_fill else []), long_fill, *([longer_fill] if longer_fill else [])]
+    fills = [SHORT_FILL, *middle_fills, long_fill, *([longer_fill] if longer_fill else [])]
     by_fill = dict(zip(fills, timed(single.decode(1, *fills))))
     short_s, long_s = by_fill[SHORT_FILL], by_fill[long_fill]
     (again_s,) = timed(single.decode(1, SHORT_FILL))   # the machine's speed may have moved meanwhile
@@ -248,8 +249,7 @@ def measure_timings(path, threads: int | None = None):
         del batch
     drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
-    batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *([middle_fill] if middle_fill else []),
-                                                             long_fill))
+    batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill))
     *prefill_s, split_s, cached_s = timed(full.prefill(sizes, n))
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
