@@ -5,7 +5,10 @@ model, same threads, same run. Both sample greedily (argmax of every sequence's 
 
 Per engine and S: prefill the S prompts (distinct token ids from real text, no shared prefix),
 then time --steps decode steps; aggregate = S * steps / seconds. Best of --repeats.
-Keys: aggregate_S_over_1 (localrun's scaling), vs_llamacpp_S (localrun / llama.cpp at S).
+Keys: aggregate_S_over_1 (localrun's scaling), vs_llamacpp_S (localrun / llama.cpp at S), and
+paired_S_over_1: the same scaling timed with one sequence's engine and S sequences' engine
+alive together and their steps interleaved in bursts (paired_scaling), which a host whose
+speed moves between the best-of runs cannot skew.
 localrun's model is built for --parallel sequences (default: the largest size), which picks
 the kernel layout of its decode rows, as `serve --parallel` does: "layout" in the JSON.
 Prints a table, then one JSON object as the last line."""
@@ -48,26 +51,58 @@ def start(engine, batch: list[list[int]], params, shared: int = 0) -> list:
     return seqs
 
 
-def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None = None, shared: int = 0) -> float:
-    """Tokens generated per second over `steps` engine steps once every prompt is prefilled.
-    The sequences may decode while later prompts are still being prefilled, so each gets a
-    generous max_tokens (they must all still run in the timed steps: checked) and the tokens
-    are counted, not assumed."""
+def started_engine(llm, batch: list[list[int]], steps: int, kv_type: str | None = None, shared: int = 0):
+    """An engine with every prompt of the batch prefilled, room for `steps` more decode steps,
+    and its sequences. The sequences may decode while later prompts are still being prefilled,
+    so each gets a generous max_tokens (timed_steps checks that they all still run)."""
     from localrun.engine.llm_engine import LLMEngine
     from localrun.sampling import SamplingParams
     slack = 512
     engine = LLMEngine(llm.model, max_model_len=len(batch[0]) + steps + slack, max_num_seqs=len(batch),
                        max_num_batched_tokens=2048, enable_prefix_caching=shared > 0, kv_type=kv_type)
     params = SamplingParams(max_tokens=steps + slack, temperature=0, ignore_eos=True)
-    seqs = start(engine, batch, params, shared)
+    return engine, start(engine, batch, params, shared)
+
+
+def timed_steps(engine, seqs: list, steps: int) -> float:
+    """Seconds for `steps` engine steps; every sequence must get one token a step (counted, not assumed)."""
     before = sum(len(s.generated_token_ids) for s in seqs)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     seconds = time.perf_counter() - t0
     generated = sum(len(s.generated_token_ids) for s in seqs) - before
-    assert generated == len(batch) * steps, f"{generated} tokens in {steps} steps of {len(batch)} sequences"
-    return generated / seconds
+    assert generated == len(seqs) * steps, f"{generated} tokens in {steps} steps of {len(seqs)} sequences"
+    return seconds
+
+
+def bench_localrun(llm, batch: list[list[int]], steps: int, kv_type: str | None = None, shared: int = 0) -> float:
+    """Tokens generated per second over `steps` engine steps once every prompt is prefilled."""
+    engine, seqs = started_engine(llm, batch, steps, kv_type, shared)
+    return len(batch) * steps / timed_steps(engine, seqs, steps)
+
+
+def paired_scaling(llm, work: list[list[int]], size: int, steps: int, rounds: int, kv_type: str | None = None,
+                   shared: int = 0) -> float:
+    """localrun's aggregate at `size` sequences over one sequence's, both timed in one process
+    and interleaved: an engine of one sequence and one of `size`, both prefilled, then `rounds`
+    bursts of `steps` steps of each, alternating which goes first. On these shared 2-core VMs
+    the host's speed moves by 1.3x within minutes (and with where its two vCPUs land), so the
+    best-of figures of two runs timed minutes apart (aggregate_S_over_1) gave 3.7 and 5.2 for
+    16 sequences in one hour; bursts a few hundred ms apart see the same host. Both engines
+    grow their contexts by the same rounds x steps tokens."""
+    one, one_seqs = started_engine(llm, work[:1], rounds * steps, kv_type, shared)
+    many, many_seqs = started_engine(llm, work[:size], rounds * steps, kv_type, shared)
+    t_one = t_many = 0.0
+    for r in range(rounds):
+        order = [(one, one_seqs), (many, many_seqs)]
+        for engine, seqs in order if r % 2 == 0 else order[::-1]:
+            seconds = timed_steps(engine, seqs, steps)
+            if engine is one:
+                t_one += seconds
+            else:
+                t_many += seconds
+    return (size * steps * rounds / t_many) / (steps * rounds / t_one)
 
 
 def gguf_weights(model) -> list:
@@ -192,6 +227,8 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--sizes", default="1,2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--paired-rounds", type=int, default=4,
+                    help="bursts of --steps steps per engine in the paired measurement (paired_S_over_1); 0: skip it")
     ap.add_argument("--kv-type", default=None, help="localrun's KV type (default: the engine's)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="the first N tokens of --context are the same in every prompt (localrun caches them once)")
@@ -220,7 +257,8 @@ def main():
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     parallel = args.parallel or max(sizes)
-    llm = LLM(path, n_ctx=args.context + 2 * args.steps + 512, n_threads=args.threads,   # compare_layouts' slack
+    # room for compare_layouts' 2 x steps and paired_scaling's rounds x steps past the prompts (+ their slack)
+    llm = LLM(path, n_ctx=args.context + max(2, args.paired_rounds) * args.steps + 512, n_threads=args.threads,
               n_parallel=parallel)
     wqkv = llm.model.layers[0].attention.wqkv
     layout = "lanes" if kernels.LANES & getattr(wqkv, "kernel_types", [0])[0] else "rows"
@@ -237,23 +275,28 @@ def main():
             best["localrun"][s] = max(best["localrun"].get(s, 0), bench_localrun(llm, work[:s], args.steps, args.kv_type,
                                                                                  args.shared_prefix))
     peer.close()
+    paired = {s: paired_scaling(llm, work, s, args.steps, args.paired_rounds, args.kv_type, args.shared_prefix)
+              for s in sizes[1:]} if args.paired_rounds > 0 else {}
 
     print(f"model {path.name}, {args.threads} threads, context {args.context}, {args.steps} decode steps, "
           f"best of {args.repeats}, kernels {kernels.isa()} ({layout} layout, built for {parallel} sequences), "
           f"localrun KV {args.kv_type or 'default'}")
-    print("| sequences | localrun tok/s | llama.cpp tok/s | localrun / llama.cpp | localrun S / 1 |")
-    print("|---|---|---|---|---|")
+    print("| sequences | localrun tok/s | llama.cpp tok/s | localrun / llama.cpp | localrun S / 1 | S / 1 paired |")
+    print("|---|---|---|---|---|---|")
     result = {"benchmark": "batched_decode", "cpu": cpu_info(), "model": path.name, "threads": args.threads,
               "context": args.context, "steps": args.steps, "kernels": kernels.isa(), "layout": layout,
               "parallel": parallel, "kv_type": args.kv_type or "default", "shared_prefix": args.shared_prefix}
     for s in sizes:
         ours, theirs = best["localrun"][s], best["llama.cpp"][s]
-        print(f"| {s} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {ours / best['localrun'][1]:.2f}x |")
+        pair = f"{paired[s]:.2f}x" if s in paired else ("1.00x" if s == 1 else "")
+        print(f"| {s} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {ours / best['localrun'][1]:.2f}x | {pair} |")
         result[f"localrun_tok_s_{s}"] = round(ours, 1)
         result[f"llamacpp_tok_s_{s}"] = round(theirs, 1)
         result[f"aggregate_{s}_over_1"] = round(ours / best["localrun"][1], 3)
         result[f"llamacpp_aggregate_{s}_over_1"] = round(theirs / best["llama.cpp"][1], 3)
         result[f"vs_llamacpp_{s}"] = round(ours / theirs, 3)
+        if s in paired:
+            result[f"paired_{s}_over_1"] = round(paired[s], 3)
     print(json.dumps(result))
 
 
