@@ -64,23 +64,28 @@ ALWAYS_INLINE float max8(v8 v) {
 }
 
 // e^x: 2^n * p(r) with Cephes' expf polynomial (within 2 ulp of expf); x clamped to [-87, 88].
-ALWAYS_INLINE v8 exp8(v8 x) {
-    x = x < splat8(-87.f) ? splat8(-87.f) : x;
-    x = x > splat8(88.f) ? splat8(88.f) : x;
-    const v8 t = x * splat8(1.44269504088896341f) + splat8(0.5f);
-    v8 n = __builtin_convertvector(__builtin_convertvector(t, v8i), v8);
-    n = n > t ? n - splat8(1.f) : n;                                          // floor
-    const v8 r = x - n * splat8(0.693359375f) + n * splat8(2.12194440e-4f);
-    v8 p = splat8(1.9875691500E-4f);
-    p = p * r + splat8(1.3981999507E-3f);
-    p = p * r + splat8(8.3334519073E-3f);
-    p = p * r + splat8(4.1665795894E-2f);
-    p = p * r + splat8(1.6666665459E-1f);
-    p = p * r + splat8(5.0000001201E-1f);
-    p = p * r * r + r + splat8(1.f);
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    v8 scale; std::memcpy(&scale, &bits, sizeof scale);
+// Written for any width of float vector V (and its int32 vector VI): each lane's steps are the
+// same whatever the width, so exp16 gives exp8's bits lane for lane.
+template <typename V, typename VI>
+ALWAYS_INLINE V expv(V x) {
+    const V zero = {}, lo = zero - 87.f, hi = zero + 88.f;   // splats of V's width
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    const V t = x * 1.44269504088896341f + 0.5f;
+    V n = __builtin_convertvector(__builtin_convertvector(t, VI), V);
+    n = n > t ? n - 1.f : n;                                                  // floor
+    const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    V p = zero + 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.f;
+    const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+    V scale; std::memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+ALWAYS_INLINE v8 exp8(v8 x) { return expv<v8, v8i>(x); }
 
 }  // namespace localrun
