@@ -539,27 +539,14 @@ WIDE_TARGET inline __m256 fold16(__m512 x) {       // lanes i + lanes 8 + i
 }
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-// (sum of a[0], ..., sum of a[7]) of eight 16-lane vectors, by a transposing tree (fixed order):
-// pairs of keys within 128-bit blocks, then four keys, then the four blocks of each key. 24
-// instructions where folding each to 8 lanes and transpose_sum8 took 37 (scores_wide, per head
-// and 8 keys); with the softmax's exponentials 16 at a time, a 16-row SmolLM2 call 0.92-0.95x
-// the time over 30 layers' pools (Zen 4, one process alternating the two, 2026-12-04).
-WIDE_TARGET inline __m256 sum16x8(const __m512* a) {
-    __m512 t[4], u[2];
-    for (int k = 0; k < 4; k++)
-        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-    // t[k], each 128-bit block: [a2k x0+x2, a2k+1 x0+x2, a2k x1+x3, a2k+1 x1+x3]
-    for (int k = 0; k < 2; k++)
-        u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    // u[0], each 128-bit block: keys 0..3's sums over that block's lanes (u[1]: keys 4..7)
-    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    // x: [keys 0..3 blocks 0+1 | keys 0..3 blocks 2+3 | keys 4..7 blocks 0+1 | keys 4..7 blocks 2+3]
-    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_castps512_ps256(y);
-}
+// The scores' maximum of 8 lanes in vector registers (max8 extracted them one by one), and the
+// softmax's exponentials 16 at a time (attend_row): the same bits, a 16-row SmolLM2 call over 30
+// layers' pools 341 against 364 us per layer (one thread, best of 4 alternated processes; every
+// round faster, medians 348 against 428; Zen 4, 2026-12-04). A
+// shorter reduction of the 8 keys' 16-lane sums (24 instructions for fold16 + transpose_sum8's
+// 37) took another 2-5% off, but it changes the scores' bits, and with them SmolLM2's greedy
+// continuations: benchmarks/speculative.py's copy tasks accepted 0.71-0.75 of the drafts
+// instead of 0.85-0.87, ngram_speedup 2.0-2.1 against 2.4-2.6 (alternated runs), so it waits.
 WIDE_TARGET inline float max8_wide(__m256 v) {      // exact, as max8
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -593,8 +580,8 @@ struct ValuesI8x16 {               // the token's scales, one per `group` values
     void next() { vs += vs_stride; }
 };
 
-// scores_fast's job (hd a multiple of 16): 8 keys x G heads of 16-lane sums, the 8 keys' sums
-// reduced into one vector (sum16x8).
+// scores_fast's job (hd a multiple of 16): 8 keys x G heads of 16-lane sums, each folded to 8
+// lanes and the 8 keys' sums transposed into one vector.
 template <int G, int HD, typename R, typename Read = AsStored16>
 WIDE_TARGET __attribute__((noinline)) void scores_wide(const float* qs, const R* k, int64_t stride, int64_t hd_rt,
                                                       int64_t n, float* const* sc, float* mx, Read read = {}) {
@@ -612,9 +599,11 @@ WIDE_TARGET __attribute__((noinline)) void scores_wide(const float* qs, const R*
                 for (int h = 0; h < G; h++) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + h * hd + 16 * c), kv, acc[h][j]);
             }
         for (int h = 0; h < G; h++) {
-            const __m256 t = sum16x8(acc[h]);
-            _mm256_storeu_ps(sc[h] + j0, t);
-            mx[h] = std::max(mx[h], max8_wide(t));
+            v8 s8[8];
+            for (int j = 0; j < 8; j++) s8[j] = (v8)fold16(acc[h][j]);
+            const v8 t = transpose_sum8(s8);
+            store8(sc[h] + j0, t);
+            mx[h] = std::max(mx[h], max8_wide((__m256)t));
         }
     }
     for (; j0 < n; j0++, k += stride)                          // the block's last keys, one at a time
