@@ -542,11 +542,11 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 // The scores' maximum of 8 lanes in vector registers (max8 extracted them one by one), and the
 // softmax's exponentials 16 at a time (attend_row): the same bits, a 16-row SmolLM2 call over 30
 // layers' pools 341 against 364 us per layer (one thread, best of 4 alternated processes; every
-// round faster, medians 348 against 428; Zen 4, 2026-12-04). A
-// shorter reduction of the 8 keys' 16-lane sums (24 instructions for fold16 + transpose_sum8's
-// 37) took another 2-5% off, but it changes the scores' bits, and with them SmolLM2's greedy
-// continuations: benchmarks/speculative.py's copy tasks accepted 0.71-0.75 of the drafts
-// instead of 0.85-0.87, ngram_speedup 2.0-2.1 against 2.4-2.6 (alternated runs), so it waits.
+// round faster, medians 348 against 428; Zen 4, 2026-12-04). A shorter reduction of the 8 keys'
+// 16-lane sums (24 instructions for fold16 + transpose_sum8's 37) took another 2-5% off, but it
+// changes the scores' bits, and with them SmolLM2's greedy continuations: speculative.py's copy
+// tasks accepted 0.71-0.75 of the drafts instead of 0.85-0.87, ngram_speedup 2.0-2.1 against
+// 2.4-2.6 (alternated runs), so it waits.
 WIDE_TARGET inline float max8_wide(__m256 v) {      // exact, as max8
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
