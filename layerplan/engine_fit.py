@@ -323,8 +323,9 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
     the rate is the one whose modelled steps fit both best (least squares of the logs of the step
     times, `_solve_logs`, as the prompt figures): on 2 Zen 4 cores four rows' cost per cached
     token was steeper up to ~500 tokens than past it, and the long fill alone put a 4-sequence
-    step at ~500 cached tokens at 11.3 ms where it took ~14.8. Left at 0 (every step at kv_bandwidth) where one sequence's
-    timings are missing (the batch's then gave kv_bandwidth itself) or no fill cost anything to see."""
+    step at ~500 cached tokens at 11.3 ms where it took ~14.8. Left at 0 (every step at
+    kv_bandwidth) where one sequence's timings are missing (the batch's then gave kv_bandwidth
+    itself) or no fill cost anything to see."""
     if t.decode_long_s is None or t.batch <= 1:
         return h
     x = replace(h, kv_batch_rows=t.batch)
@@ -341,7 +342,8 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
         (log_rate,) = _solve_logs(
             lambda logs: [t.decode_batch_s + fill_cost(math.exp(logs[0]), f) for f in fills],
             [t.decode_batch_middle_s, t.decode_batch_long_s], [math.log(rate or x.kv_bandwidth or 1e9)])
-        rate = math.exp(log_rate) if math.exp(log_rate) < UNSEEN_RATE else 0.0
+        rate = math.exp(log_rate)
+        rate = rate if rate < UNSEEN_RATE else 0.0
     return replace(x, kv_batch_bandwidth=rate) if rate else h
 
 
