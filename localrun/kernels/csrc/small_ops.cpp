@@ -9,7 +9,9 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <string>
 #include <tuple>
@@ -23,11 +25,32 @@ void check_rows(const at::Tensor& x, const char* name) {
                 "localrun::", name, ": expects a contiguous (T, D) float32 tensor");
 }
 
-inline void norm_row(const float* h, const float* w, int64_t D, double eps, float* out) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < D; i++) sum += (double)h[i] * h[i];
-    const float scale = (float)(1.0 / std::sqrt(sum / (double)D + eps));
-    for (int64_t i = 0; i < D; i++) out[i] = h[i] * scale * w[i];
+// N rows (D values each, rows D apart) normalized: each row's sum of squares in double, in index
+// order (the products are exact), then x * scale * w. The N rows' sums are N independent chains
+// of additions, so one row no longer waits on its own additions' latency (one row alone: ~1 us
+// for D = 576); every row's bits are those of the row alone.
+template <int N>
+ALWAYS_INLINE void norm_rows_n(const float* h, const float* w, int64_t D, double eps, float* out) {
+    double sum[N] = {};
+    for (int64_t i = 0; i < D; i++)
+        for (int r = 0; r < N; r++) sum[r] += (double)h[r * D + i] * h[r * D + i];
+    for (int r = 0; r < N; r++) {
+        const float scale = (float)(1.0 / std::sqrt(sum[r] / (double)D + eps));
+        for (int64_t i = 0; i < D; i++) out[r * D + i] = h[r * D + i] * scale * w[i];
+    }
+}
+constexpr int64_t NORM_ROWS = 8;     // rows a group (and the threads' grain)
+inline void norm_rows(const float* h, const float* w, int64_t n, int64_t D, double eps, float* out) {
+    switch (n) {
+        case 1: norm_rows_n<1>(h, w, D, eps, out); return;
+        case 2: norm_rows_n<2>(h, w, D, eps, out); return;
+        case 3: norm_rows_n<3>(h, w, D, eps, out); return;
+        case 4: norm_rows_n<4>(h, w, D, eps, out); return;
+        case 5: norm_rows_n<5>(h, w, D, eps, out); return;
+        case 6: norm_rows_n<6>(h, w, D, eps, out); return;
+        case 7: norm_rows_n<7>(h, w, D, eps, out); return;
+        default: norm_rows_n<8>(h, w, D, eps, out); return;
+    }
 }
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
@@ -38,8 +61,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
     at::Tensor out = at::empty_like(x);
     const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) norm_row(xp + t * D, wp, D, eps, op + t * D);
+    at::parallel_for(0, T, NORM_ROWS, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t += NORM_ROWS)
+            norm_rows(xp + t * D, wp, std::min(NORM_ROWS, t1 - t), D, eps, op + t * D);
     });
     return out;
 }
@@ -54,59 +78,84 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     at::Tensor h = at::empty_like(x), out = at::empty_like(x);
     const float *xp = x.data_ptr<float>(), *rp = r.data_ptr<float>(), *wp = w.data_ptr<float>();
     float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
-    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) {
-            for (int64_t i = 0; i < D; i++) hp[t * D + i] = xp[t * D + i] + rp[t * D + i];
-            norm_row(hp + t * D, wp, D, eps, op + t * D);
-        }
+    at::parallel_for(0, T, NORM_ROWS, [&](int64_t t0, int64_t t1) {
+        for (int64_t i = t0 * D; i < t1 * D; i++) hp[i] = xp[i] + rp[i];
+        for (int64_t t = t0; t < t1; t += NORM_ROWS)
+            norm_rows(hp + t * D, wp, std::min(NORM_ROWS, t1 - t), D, eps, op + t * D);
     });
     return {h, out};
 }
 
-// The gated activations, 8 values at a time with the vector exp (vec8.h):
+// The gated activations with the vector exp (vec8.h), for any width of vector V (int32 VI):
 //   silu(g) = g / (1 + e^-g)
 //   gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+// Each lane's steps are the same at any width, so 16 lanes give 8 lanes' bits.
 struct Silu {
-    static ALWAYS_INLINE v8 apply(v8 g) { return g / (splat8(1.f) + exp8(-g)); }
+    template <typename V, typename VI>
+    static ALWAYS_INLINE V apply(V g) { return g / (1.f + expv<V, VI>(-g)); }
 };
 struct GeluTanh {
-    static ALWAYS_INLINE v8 apply(v8 g) {
-        const v8 z = splat8(0.7978845608028654f) * (g + splat8(0.044715f) * g * g * g);
-        const v8 t = splat8(1.f) - splat8(2.f) / (exp8(splat8(2.f) * z) + splat8(1.f));
-        return splat8(0.5f) * g * (splat8(1.f) + t);
+    template <typename V, typename VI>
+    static ALWAYS_INLINE V apply(V g) {
+        const V z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        const V t = 1.f - 2.f / (expv<V, VI>(2.f * z) + 1.f);
+        return 0.5f * g * (1.f + t);
     }
 };
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
-// act(g) * u over one row (the tail through the same vector code, one lane used)
-template <class Act>
-ALWAYS_INLINE void act_mul_row(const float* g, const float* u, int64_t F, float* out) {
+// act(g) * u over n values: W at a time (16 in the AVX-512 build), then 8, then the tail
+// through the same 8-lane code, one lane used
+template <class Act, int W>
+ALWAYS_INLINE void act_mul_span(const float* g, const float* u, int64_t n, float* out) {
     int64_t i = 0;
-    for (; i + 8 <= F; i += 8) store8(out + i, Act::apply(load8(g + i)) * load8(u + i));
-    for (; i < F; i++) {
+    if constexpr (W == 16) {
+        for (; i + 16 <= n; i += 16) {
+            v16 x, y;
+            std::memcpy(&x, g + i, sizeof x);
+            std::memcpy(&y, u + i, sizeof y);
+            const v16 r = Act::template apply<v16, v16i>(x) * y;
+            std::memcpy(out + i, &r, sizeof r);
+        }
+    }
+    for (; i + 8 <= n; i += 8) store8(out + i, Act::template apply<v8, v8i>(load8(g + i)) * load8(u + i));
+    for (; i < n; i++) {
         float gt[8] = {g[i]}, r[8];
-        store8(r, Act::apply(load8(gt)));
+        store8(r, Act::template apply<v8, v8i>(load8(gt)));
         out[i] = r[0] * u[i];
     }
 }
 
-// Each row function compiled for AVX2 + FMA and for the baseline; LOCALRUN_ISA=ref forces the baseline.
+// Each span function compiled for AVX-512, AVX2 + FMA and the baseline; LOCALRUN_ISA=avx2 or ref
+// forces a narrower one.
 template <class Act>
-__attribute__((target("avx2,fma"))) void act_mul_row_avx2(const float* g, const float* u, int64_t F, float* out) {
-    act_mul_row<Act>(g, u, F, out);
+__attribute__((target("avx512f,avx2,fma"))) void act_mul_span_avx512(const float* g, const float* u, int64_t n, float* out) {
+    act_mul_span<Act, 16>(g, u, n, out);
 }
 template <class Act>
-void act_mul_row_base(const float* g, const float* u, int64_t F, float* out) { act_mul_row<Act>(g, u, F, out); }
+__attribute__((target("avx2,fma"))) void act_mul_span_avx2(const float* g, const float* u, int64_t n, float* out) {
+    act_mul_span<Act, 8>(g, u, n, out);
+}
+template <class Act>
+void act_mul_span_base(const float* g, const float* u, int64_t n, float* out) { act_mul_span<Act, 8>(g, u, n, out); }
 
-bool use_avx2() {
-    static const bool avx2 = [] {
+enum class Isa { Base, Avx2, Avx512 };
+Isa isa() {
+    static const Isa chosen = [] {
         const char* env = std::getenv("LOCALRUN_ISA");
+        const std::string forced = env ? env : "";
         __builtin_cpu_init();
-        return !(env && std::string(env) == "ref") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        const bool avx2 = forced != "ref" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        if (avx2 && (forced.empty() || forced == "avx512") && __builtin_cpu_supports("avx512f")) return Isa::Avx512;
+        return avx2 ? Isa::Avx2 : Isa::Base;
     }();
-    return avx2;
+    return chosen;
 }
 
-// gu (T, 2F) = [gate | up] -> act(gate) * up (T, F)
+// gu (T, 2F) = [gate | up] -> act(gate) * up (T, F), split over the threads by values (16
+// rows of SmolLM2's 1536 took 30 us on one thread when split by rows, grain 16)
+constexpr int64_t ACT_GRAIN = 4096;    // values a task at least
 template <class Act>
 at::Tensor act_mul(const at::Tensor& gu_in, const char* name) {
     const at::Tensor gu = gu_in.contiguous();
@@ -114,11 +163,18 @@ at::Tensor act_mul(const at::Tensor& gu_in, const char* name) {
     const int64_t T = gu.size(0), F = gu.size(1) / 2;
     TORCH_CHECK(gu.size(1) == 2 * F, "localrun::", name, ": the width must be even");
     at::Tensor out = at::empty({T, F}, gu.options());
+    if (F == 0) return out;
     const float* gp = gu.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const auto row = use_avx2() ? &act_mul_row_avx2<Act> : &act_mul_row_base<Act>;
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) row(gp + t * 2 * F, gp + t * 2 * F + F, F, op + t * F);
+    const Isa which = isa();
+    const auto span = which == Isa::Avx512 ? &act_mul_span_avx512<Act>
+                      : which == Isa::Avx2 ? &act_mul_span_avx2<Act> : &act_mul_span_base<Act>;
+    at::parallel_for(0, T * F, ACT_GRAIN, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1;) {         // row t's values i % F .. through the task's end
+            const int64_t t = i / F, c = i % F, n = std::min(F - c, i1 - i);
+            span(gp + t * 2 * F + c, gp + t * 2 * F + F + c, n, op + i);
+            i += n;
+        }
     });
     return out;
 }
@@ -143,7 +199,7 @@ at::Tensor rope(const at::Tensor& x_in, const at::Tensor& freqs_in, bool neox) {
     const float *xp = x.data_ptr<float>(), *fp = f.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t st = x.stride(0), sh = x.stride(1);
-    at::parallel_for(0, T * H, 256, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; i++) {
             const int64_t t = i / H, h = i % H;
             const float* src = xp + t * st + h * sh;
