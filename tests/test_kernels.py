@@ -484,6 +484,39 @@ def test_paged_attention_row_alone_equals_row_in_a_full_step(kv_type):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "bf16", "int8"])
+def test_paged_attention_reads_views_of_the_fused_heads(kv_type):
+    """decode_block hands q, k and v as narrows of the fused (T, H + 2 n_kv, hd) heads, rows apart:
+    the kernel reads them in place (16-bit and float32 pools) or copies them (quantized), and the
+    output and every pool byte equal the call on contiguous copies."""
+    from localrun.engine.paged_kv import PagedKVCache
+    g = torch.Generator().manual_seed(5)
+    n_kv, H, hd, rows, n = 3, 9, 64, 5, 40
+    per_seq = -(-n // BLOCK)
+    num_blocks = rows * per_seq
+    tables = torch.randperm(num_blocks, generator=g).view(rows, per_seq)
+    slots = tables[:, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+    fused = torch.randn(rows, H + 2 * n_kv + 1, hd, generator=g)        # one spare head: rows further apart
+    q, k, v = fused.narrow(1, 0, H), fused.narrow(1, H, n_kv), fused.narrow(1, H + n_kv, n_kv)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    if kv_type == "int8":
+        (k_store, v_store), = PagedKVCache(num_blocks=num_blocks, block_size=BLOCK, n_layers=1, n_head_kv=n_kv,
+                                           head_dim=hd, kv_type="int8", compute_dtype=torch.float32).layers
+        pools = [k_store.data, v_store.data, k_store.scale, v_store.scale]
+    else:
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kv_type]
+        pools = [torch.randn(num_blocks * BLOCK, n_kv, hd, generator=g).to(dtype) for _ in range(2)]
+
+    def call(q, k, v):
+        kp, vp, *sc = [t.clone() for t in pools]
+        extra = {"k_scale": sc[0], "v_scale": sc[1]} if sc else {}
+        out = torch.ops.localrun.paged_attention(q, k, v, kp, vp, slots, tables, torch.arange(rows),
+                                                 torch.full((rows,), n), BLOCK, **extra)
+        return [out, kp, vp, *sc]
+    for got, want in zip(call(q, k, v), call(q.contiguous(), k.contiguous(), v.contiguous())):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hd", [64, 40])
 def test_paged_attention_16bit_pool_equals_float32_pool_of_its_values(dtype, hd):

@@ -937,10 +937,11 @@ constexpr int64_t SERIAL_WORK = 1 << 17;
 
 constexpr int64_t CHUNK = 512;   // positions per task of one long row (a multiple of every block size we use)
 
+// rows of x (`row` values each, x_stride apart) into the pool at slots
 template <typename E>
-void write_rows(E* pool, const float* x, const int64_t* slots, int64_t T, int64_t row) {
+void write_rows(E* pool, const float* x, int64_t x_stride, const int64_t* slots, int64_t T, int64_t row) {
     for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = static_cast<E>(x[t * row + i]);
+        for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = static_cast<E>(x[t * x_stride + i]);
 }
 
 // Quantized rows, written as paged_kv.py's stores write them (the reference; a test compares the
@@ -1036,7 +1037,13 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                            at::Tensor& v_pool, const at::Tensor& slots_in, const at::Tensor& tables_in,
                            const at::Tensor& row_seq_in, const at::Tensor& row_len_in, int64_t block_size, int64_t window,
                            const std::optional<at::Tensor>& k_scale_in, const std::optional<at::Tensor>& v_scale_in) {
-    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    // q, and k and v for a 16-bit or float32 pool, may be views with rows apart (decode_block's
+    // narrows of the fused heads): each row's heads contiguous is enough (no copy per call)
+    const bool quantized_pool = k_pool.scalar_type() == at::kChar || k_pool.scalar_type() == at::kByte;
+    const auto rows_of = [](const at::Tensor& x, bool strided_ok) {
+        return strided_ok && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+    };
+    const at::Tensor q = rows_of(q_in, true), k = rows_of(k_in, !quantized_pool), v = rows_of(v_in, !quantized_pool);
     const at::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous();
     const at::Tensor row_seq = row_seq_in.contiguous(), row_len = row_len_in.contiguous();
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::paged_attention: q (T,H,hd), k and v (T,n_kv,hd)");
@@ -1087,6 +1094,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     }
     // writes first: later rows read earlier ones; 16-bit pools round as torch's .to() does
     const float *kn = k.data_ptr<float>(), *vn = v.data_ptr<float>();
+    const int64_t ks = k.stride(0), vs = v.stride(0), qs = q.stride(0);     // row strides
     if (type == PoolType::INT8) {
         write_channel_scaled(k_pool.data_ptr<int8_t>(), k_scale.data_ptr<float>(), kn, sp, seqp, T, n_kv, hd, block_size);
         write_token_scaled<false>(v_pool.data_ptr(), v_scale.data_ptr<float>(), v_group, vn, sp, T, n_kv, hd);
@@ -1095,14 +1103,14 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
         write_token_scaled<true>(v_pool.data_ptr(), v_scale.data_ptr<float>(), v_group, vn, sp, T, n_kv, hd);
     } else {
         if (type == PoolType::F32) {
-            write_rows(k_pool.data_ptr<float>(), kn, sp, T, row_bytes);
-            write_rows(v_pool.data_ptr<float>(), vn, sp, T, row_bytes);
+            write_rows(k_pool.data_ptr<float>(), kn, ks, sp, T, row_bytes);
+            write_rows(v_pool.data_ptr<float>(), vn, vs, sp, T, row_bytes);
         } else if (type == PoolType::F16) {
-            write_rows(k_pool.data_ptr<at::Half>(), kn, sp, T, row_bytes);
-            write_rows(v_pool.data_ptr<at::Half>(), vn, sp, T, row_bytes);
+            write_rows(k_pool.data_ptr<at::Half>(), kn, ks, sp, T, row_bytes);
+            write_rows(v_pool.data_ptr<at::Half>(), vn, vs, sp, T, row_bytes);
         } else {
-            write_rows(k_pool.data_ptr<at::BFloat16>(), kn, sp, T, row_bytes);
-            write_rows(v_pool.data_ptr<at::BFloat16>(), vn, sp, T, row_bytes);
+            write_rows(k_pool.data_ptr<at::BFloat16>(), kn, ks, sp, T, row_bytes);
+            write_rows(v_pool.data_ptr<at::BFloat16>(), vn, vs, sp, T, row_bytes);
         }
     }
     const Pool kp{k_pool.data_ptr(), quantized ? k_scale.data_ptr<float>() : nullptr, k_group},
@@ -1171,7 +1179,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
             scratch.resize(heads * (task.end - task.first + 8 + 2 * hd) + block_size * width);
             float* dst = task.part < 0 ? op + (t * H + h0) * hd : partial.data() + (task.part * H + h0) * hd;
             float* dst_ml = task.part < 0 ? nullptr : ml.data() + (task.part * H + h0) * 2;
-            const RowArgs args{qp + (t * H + h0) * hd, kp, vp, chosen.widen_f16, chosen.widen_i8_scaled, chosen.widen_fp8,
+            const RowArgs args{qp + t * qs + h0 * hd, kp, vp, chosen.widen_f16, chosen.widen_i8_scaled, chosen.widen_fp8,
                                tp + seqp[t] * max_blocks, block_size,
                                n_kv, g, hd, task.first, task.end, heads, whole_rows ? group : 0, scale, scratch.data(), dst, dst_ml};
             chosen.attend(args, type);
