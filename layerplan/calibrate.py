@@ -54,8 +54,9 @@ ENGINE_FILE = "engine-{key}.json"       # and the latest one of each model file 
 # the cached KV and its bandwidth a least-squares fit over the three fills past the short one, the
 # batch's rate over its middle and long fills, and the memory bandwidth the engine's where its
 # steps need more than the matvec's; 9 was a reverted middle-fill attempt whose saved calibrations
-# must not be read as 10's).
-SPEED_MODEL_REVISION = 10
+# must not be read as 10's; 11: the small ops of a batched step on both threads and q/k/v read in
+# place by the attention kernel, a 4-row decode step ~0.5 ms less, 16 rows ~1.5-2 ms).
+SPEED_MODEL_REVISION = 11
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
 DRIFT_LIMIT = 0.10   # an engine calibration whose first timing, retaken last, moved by more is suspect

@@ -537,8 +537,6 @@ WIDE_TARGET inline __m512 get16(const uint16_t* p) {
 WIDE_TARGET inline __m256 fold16(__m512 x) {       // lanes i + lanes 8 + i
     return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 }
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 // The scores' maximum of 8 lanes in vector registers (max8 extracted them one by one), and the
 // softmax's exponentials 16 at a time (attend_row): the same bits, a 16-row SmolLM2 call over 30
 // layers' pools 341 against 364 us per layer (one thread, best of 4 alternated processes; every

@@ -102,8 +102,6 @@ struct GeluTanh {
         return 0.5f * g * (1.f + t);
     }
 };
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 // act(g) * u over n values: W at a time (16 in the AVX-512 build), then 8, then the tail
 // through the same 8-lane code, one lane used

@@ -9,6 +9,9 @@ namespace localrun {
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+// sixteen-float vectors, for code compiled for AVX-512 (expv<v16, v16i>)
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 ALWAYS_INLINE v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
