@@ -503,6 +503,10 @@ def test_paged_attention_reads_views_of_the_fused_heads(kv_type):
         (k_store, v_store), = PagedKVCache(num_blocks=num_blocks, block_size=BLOCK, n_layers=1, n_head_kv=n_kv,
                                            head_dim=hd, kv_type="int8", compute_dtype=torch.float32).layers
         pools = [k_store.data, v_store.data, k_store.scale, v_store.scale]
+        for t in pools[:2]:           # the stores start uninitialized: codes and positive scales
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+        for t in pools[2:]:
+            t.copy_(torch.rand(t.shape, generator=g) * 0.05 + 0.01)
     else:
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kv_type]
         pools = [torch.randn(num_blocks * BLOCK, n_kv, hd, generator=g).to(dtype) for _ in range(2)]
@@ -514,7 +518,7 @@ def test_paged_attention_reads_views_of_the_fused_heads(kv_type):
                                                  torch.full((rows,), n), BLOCK, **extra)
         return [out, kp, vp, *sc]
     for got, want in zip(call(q, k, v), call(q.contiguous(), k.contiguous(), v.contiguous())):
-        assert torch.equal(got, want)
+        assert torch.isfinite(got.float()).all() and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
