@@ -1035,18 +1035,6 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                            at::Tensor& v_pool, const at::Tensor& slots_in, const at::Tensor& tables_in,
                            const at::Tensor& row_seq_in, const at::Tensor& row_len_in, int64_t block_size, int64_t window,
                            const std::optional<at::Tensor>& k_scale_in, const std::optional<at::Tensor>& v_scale_in) {
-    // q, and k and v for a 16-bit or float32 pool, may be views with rows apart (decode_block's
-    // narrows of the fused heads): each row's heads contiguous is enough (no copy per call)
-    const bool quantized_pool = k_pool.scalar_type() == at::kChar || k_pool.scalar_type() == at::kByte;
-    const auto rows_of = [](const at::Tensor& x, bool strided_ok) {
-        return strided_ok && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
-    };
-    const at::Tensor q = rows_of(q_in, true), k = rows_of(k_in, !quantized_pool), v = rows_of(v_in, !quantized_pool);
-    const at::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous();
-    const at::Tensor row_seq = row_seq_in.contiguous(), row_len = row_len_in.contiguous();
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::paged_attention: q (T,H,hd), k and v (T,n_kv,hd)");
-    for (const at::Tensor* t : {&q, &k, &v})
-        TORCH_CHECK(t->scalar_type() == at::kFloat, "localrun::paged_attention: q, k and v must be float32");
     TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "localrun::paged_attention: K and V pools of one type");
     const at::ScalarType pool_type = k_pool.scalar_type();
     TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf || pool_type == at::kBFloat16 || pool_type == at::kChar ||
@@ -1054,6 +1042,17 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const PoolType type = pool_type == at::kFloat ? PoolType::F32 : pool_type == at::kHalf ? PoolType::F16
                         : pool_type == at::kBFloat16 ? PoolType::BF16 : pool_type == at::kChar ? PoolType::INT8 : PoolType::FP8;
     const bool quantized = type == PoolType::INT8 || type == PoolType::FP8;
+    // q, and k and v for a 16-bit or float32 pool, may be views with rows apart (decode_block's
+    // narrows of the fused heads): each row's heads contiguous is enough (no copy per call)
+    const auto rows_of = [](const at::Tensor& x, bool strided_ok) {
+        return strided_ok && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+    };
+    const at::Tensor q = rows_of(q_in, true), k = rows_of(k_in, !quantized), v = rows_of(v_in, !quantized);
+    const at::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous();
+    const at::Tensor row_seq = row_seq_in.contiguous(), row_len = row_len_in.contiguous();
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "localrun::paged_attention: q (T,H,hd), k and v (T,n_kv,hd)");
+    for (const at::Tensor* t : {&q, &k, &v})
+        TORCH_CHECK(t->scalar_type() == at::kFloat, "localrun::paged_attention: q, k and v must be float32");
     TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() && k_pool.dim() == 3,
                 "localrun::paged_attention: pools must be contiguous (slots, n_kv, hd)");
     for (const at::Tensor* t : {&slots, &tables, &row_seq, &row_len})
