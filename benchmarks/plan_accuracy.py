@@ -226,7 +226,7 @@ def main() -> None:
     calibration = calibrate.measure(local, dtype=dtype, threads=threads)
     if not args.matvec_only:
         from localrun.calibrate_engine import measure_engine
-        calibration = measure_engine(path, calibration, threads)
+        calibration = measure_engine(path, calibration, threads, say=lambda line: print(line, file=sys.stderr))
     # saved for later plans only when it is the engine calibration `localrun plan --measure` makes:
     # a --matvec-only smoke run must not replace it with the micro-benchmarks' figures
     saved = calibrate.save(calibration) if not args.matvec_only else None

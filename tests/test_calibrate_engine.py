@@ -88,7 +88,7 @@ def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsy
     base = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=300e-6,
                                  other_cpu=0.0)    # torch's matvec overhead, as the micro-benchmarks found it on a Zen 3
     model = tiny_gguf("Q4_0", n_layers=3)
-    tuned = measure_engine(model, base, threads=1)
+    tuned = measure_engine(model, base, threads=1, attempts=1)   # a tiny model's timings are all noise: no retake
     assert tuned.backend == "engine" and "3 layers" in tuned.engine_model and "1 threads" in tuned.engine_model
     assert tuned.engine_key == calibrate.engine_key(model)      # saved as this model's own (test_plan_calibration)
     assert " ms at 99 cached, " in tuned.engine_model     # the middle fill (96 + half the 6 decode steps)
@@ -150,6 +150,54 @@ def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_ggu
     tuned = measure_engine(tiny_gguf("Q4_0", n_layers=3), base, threads=1)
     assert tuned.suspect and tuned.misfit > 0.15 and calibrate.save(tuned) is None
     assert "timings is" in tuned.suspect_reason and "off what the others say" in tuned.suspect_reason
+
+
+def test_a_calibration_across_which_the_host_moved_is_taken_again(tiny_gguf, monkeypatch, capsys, tmp_path):
+    """Drift past DRIFT_LIMIT: measured again, up to ENGINE_ATTEMPTS in all; the first steady one
+    is kept (and says which attempt it was), or, when none is steady, the least moved, still
+    suspect. Other work on the CPU is not retaken: it would still be there."""
+    monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
+    monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 1)
+    monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 1)
+    monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
+    capsys.readouterr()
+    model = tiny_gguf("Q4_0", n_layers=3)
+    calibrate_engine.main([str(model), "1"])
+    timings, kv_type, _, _, _ = calibrate_engine.read_timings(capsys.readouterr().out.strip().splitlines()[-1])
+    monkeypatch.setattr(calibrate, "MISFIT_LIMIT", math.inf)    # the drift alone decides here
+    base = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=0.0,
+                                 other_cpu=0.0)
+
+    def measured(*runs):    # (drift, all quiet) of each successive calibration
+        calls = iter(runs)
+        taken = []
+        def take(path, threads):
+            drift, all_quiet = next(calls)
+            taken.append(drift)
+            return timings, kv_type, 0.0, all_quiet, drift
+        monkeypatch.setattr(calibrate_engine, "measure_timings_in_new_process", take)
+        return taken
+
+    heard = []
+    taken = measured((0.25, True), (0.04, True), (0.5, True))
+    tuned = measure_engine(model, base, threads=1, attempts=3, say=heard.append)
+    assert taken == [0.25, 0.04] and not tuned.suspect and tuned.drift == 0.04
+    assert "attempt 2 of 2" in tuned.engine_model and "1: drift 25.0%" in tuned.engine_model
+    assert heard == ["engine calibration 1 of 3: the machine's speed moved by 25% while measuring; measuring again"]
+    assert calibrate.save(tuned, cache_dir=tmp_path) is not None
+
+    taken = measured((0.3, True), (0.2, True), (0.4, True))
+    tuned = measure_engine(model, base, threads=1, attempts=3)
+    assert taken == [0.3, 0.2, 0.4] and tuned.suspect and tuned.drift == 0.2 and "attempt 2 of 3" in tuned.engine_model
+    assert calibrate.save(tuned, cache_dir=tmp_path / "suspect") is None
+
+    taken = measured((0.3, False), (0.0, True))      # other work on the CPU: suspect, not retaken
+    tuned = measure_engine(model, base, threads=1, attempts=3)
+    assert taken == [0.3] and tuned.suspect and "attempt" not in tuned.engine_model
+
+    taken = measured((0.02, True), (0.0, True))      # steady the first time: measured once
+    tuned = measure_engine(model, base, threads=1)
+    assert taken == [0.02] and not tuned.suspect
 
 
 def test_a_plan_on_a_suspect_calibration_says_why_in_its_source():
