@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from synthetic_gguf import write_tiny_llama
+
+# Every paged KV pool starts as NaN in the tests (localrun/engine/paged_kv.py), and in the
+# processes they start: a read of a slot no token was written to fails every time, not by luck.
+os.environ.setdefault("LOCALRUN_POISON_KV", "1")
 
 
 @pytest.fixture(scope="session")

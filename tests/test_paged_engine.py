@@ -87,6 +87,28 @@ def paged_cache(model, kv_type, num_blocks=32, block_size=4, **options):
                         compute_dtype=torch.float32, **options)
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "bf16", "f16", "int8", "fp8"])
+def test_unwritten_slots_read_as_nan_in_the_tests(model, kv_type, monkeypatch):
+    """The suite runs with LOCALRUN_POISON_KV=1 (conftest): a pool's unwritten slots read as NaN,
+    so a path that reads one fails every time; written slots read as written. (int8 codes cannot
+    be NaN: int8 pools are poisoned through their scales.)"""
+    monkeypatch.setenv(paged_kv.POISON_ENV, "1")
+    cache = paged_cache(model, kv_type, num_blocks=4, block_size=4)
+    c = model.config
+    blocks = torch.tensor([2, 0])
+    k, v = cache.gather(0, blocks, 8)
+    assert k.isnan().all() and v.isnan().all()
+    x = torch.randn(6, c.n_head_kv, c.head_dim)
+    view = cache.sequence_view([2, 0])
+    k_all, v_all = view.update(0, 0, x, x)          # tokens 0..5: all of block 2, half of block 0
+    assert k_all.shape[1] == 6 and not k_all.isnan().any() and not v_all.isnan().any()
+    k, v = cache.gather(0, blocks, 8)
+    assert not k[:, :6].isnan().any() and not v[:, :6].isnan().any() and v[:, 6:].isnan().all()
+    # int8 K has one scale per block and channel, written with the block's first token (its
+    # unwritten rows requantized as zeros): only the blocks never written read NaN there
+    assert k[:, 6:].isnan().all() if kv_type != "int8" else k[:, 6:].eq(0).all()
+
+
 # --- paged attention ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("table, fast_path", [("shuffled", True), ("consecutive", True),

@@ -21,6 +21,12 @@ scale per block per channel, because keys have outlier channels that a per-token
 would let swamp the rest (SmolLM2: next-token KL vs f32 KV 8e-4 per token, 2e-4 per channel).
 A write into a partly filled block requantizes the block's earlier tokens with the new scale.
 
+The pools are allocated with torch.empty (a page costs RAM only once written), and a slot is
+read only after its token was written there. With LOCALRUN_POISON_KV=1 (the test suite sets it)
+every pool starts as NaN instead (float values and scales; fp8 codes 0x7F, a NaN), so a read of
+an unwritten slot shows as NaN in the output rather than passing or failing on whatever the
+memory held.
+
 Whole blocks can be copied out (`copy_blocks`) and written back (`write_block`) exactly as
 stored, scales included: that is how the disk tier of the prefix cache saves and restores them.
 
@@ -32,6 +38,7 @@ copy the global layers' blocks only.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -107,6 +114,21 @@ class AccessPlan(NamedTuple):
     first_slot: int | None
 
 
+POISON_ENV = "LOCALRUN_POISON_KV"
+
+
+def _pool(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized pool tensor; NaN throughout under LOCALRUN_POISON_KV=1 (the module's notes).
+    int8 codes stay as they are: every byte is a code, but their scales are NaN."""
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if os.environ.get(POISON_ENV) == "1":
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.uint8:
+            t.fill_(0x7F)            # float8 e4m3fn's NaN
+    return t
+
+
 class PlainStore:
     """One layer's K (or V) as values: data (num_blocks * bs, n_kv, hd)."""
 
@@ -115,7 +137,7 @@ class PlainStore:
         self.block_size = block_size
         # torch.empty: pages are committed when first written, so unused blocks cost no RAM;
         # a slot is only read after the token at its position was written there
-        self.data = torch.empty(num_blocks * block_size, n_kv, head_dim, dtype=dtype, device=device)
+        self.data = _pool(num_blocks * block_size, n_kv, head_dim, dtype=dtype, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data]
@@ -153,8 +175,8 @@ class TokenScaledStore(PlainStore):
         super().__init__(num_blocks, block_size, n_kv, head_dim,
                          torch.int8 if kv_type == "int8" else torch.uint8, device)
         self.group = scale_group(head_dim)
-        self.scale = torch.empty(num_blocks * block_size, n_kv, head_dim // self.group, dtype=torch.float32,
-                                 device=device)
+        self.scale = _pool(num_blocks * block_size, n_kv, head_dim // self.group, dtype=torch.float32,
+                           device=device)
 
     def tensors(self):
         return [self.data, self.scale]
@@ -191,7 +213,7 @@ class ChannelScaledStore(PlainStore):
 
     def __init__(self, num_blocks, block_size, n_kv, head_dim, device):
         super().__init__(num_blocks, block_size, n_kv, head_dim, torch.int8, device)
-        self.scale = torch.empty(num_blocks, n_kv, head_dim, dtype=torch.float32, device=device)
+        self.scale = _pool(num_blocks, n_kv, head_dim, dtype=torch.float32, device=device)
 
     def tensors(self):
         return [self.data, self.scale]
