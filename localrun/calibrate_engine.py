@@ -388,8 +388,7 @@ def _measure_engine_once(path, calibration, threads: int | None):
         host_attention_flops=fitted.attention_flops, host_causal_attention_flops=fitted.causal_attention_flops,
         host_kv_decode_flops={name: [one, batch, rows] for name, one, batch, rows in fitted.kv_decode_flops} or None,
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
-        suspect=(calibration.suspect or not all_quiet or (drift is not None and drift > DRIFT_LIMIT)
-                 or worst > MISFIT_LIMIT),
+        suspect=calibration.suspect or not all_quiet or moved,
         drift=drift, engine_reference_s=t.decode_short_s, engine_reference_long_s=t.decode_long_s, misfit=worst,
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
