@@ -39,8 +39,12 @@ the first one). Prompt steps vary by themselves: they
 allocate the unpacked weights afresh, and whether the allocator hands back pages it kept or takes
 fresh ones from the kernel (page faults that can add a third to a step; docs/measurements.md)
 differs from step to step and process to process. That is the engine's own cost, which a user
-meets, so a prompt timing is the median of its quiet repeats, not the luckiest one. A warm-up runs
-first in every engine, so first-touch costs (weights paged in, kernels set up) are not timed.
+meets, so a prompt timing is the median of its quiet repeats, not the luckiest one. And those
+repeats are taken in rounds between the other engines' decode timings, on an engine kept for them
+(where memory allows), so that they span the calibration's minutes: a VM's host moves its speed in
+phases of tens of seconds (the fastest of each 10 s of a fixed matmul 1.37x apart over 5 minutes,
+docs/layerplan.md), and six repeats within seconds measured one phase. A warm-up runs first in
+every engine, so first-touch costs (weights paged in, kernels set up) are not timed.
 """
 from __future__ import annotations
 
@@ -127,27 +131,48 @@ def synthetic_prompt(n_tokens: int, n_vocab: int, key: int) -> list[int]:
     return [(7919 * (key + 1) + 31 * i + i * i) % n_vocab for i in range(n_tokens)]
 
 
+class Rounds:
+    """A timing taken in rounds: take(i) -> a tuple of seconds, called by round() after waiting
+    for quiet each time, until `repeats` quiet calls or 2 * repeats calls. result() takes the
+    rounds still missing and gives (values, the most cores other processes used during the
+    rounds they came from, whether those were all quiet): each value the fastest of its quiet
+    calls (typical: their median), or without any quiet call the fastest (median) of all. Rounds
+    taken between other timings spread the timing over the calibration's minutes, so that it is
+    the host's speed and not one phase of it (docs/layerplan.md, "What the host does")."""
+
+    def __init__(self, take, repeats: int, wait_s: float = QUIET_WAIT_S, typical: bool = False):
+        self.take, self.repeats, self.wait_s, self.typical = take, repeats, wait_s, typical
+        self.samples = []    # (values, others' cores, quiet) of each call
+
+    def done(self) -> bool:
+        quiet_calls = sum(ok for _, _, ok in self.samples)
+        return quiet_calls >= self.repeats or len(self.samples) >= 2 * self.repeats
+
+    def round(self) -> None:
+        from layerplan import quiet
+
+        if self.done():
+            return
+        quiet.wait_until_quiet(self.wait_s, sample_s=0.3)
+        meter = quiet.OtherCPU()
+        values = self.take(len(self.samples))
+        cores = meter.cores()
+        self.samples.append((values, cores, cores is None or cores <= quiet.QUIET_CORES))
+
+    def result(self) -> tuple[tuple[float, ...], float | None, bool]:
+        while not self.done():
+            self.round()
+        pool = [s for s in self.samples if s[2]] or self.samples
+        pick = statistics.median if self.typical else min
+        values = tuple(pick(s[0][k] for s in pool) for k in range(len(pool[0][0])))
+        others = [s[1] for s in pool if s[1] is not None]
+        return values, max(others) if others else None, all(s[2] for s in pool)
+
+
 def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S,
                typical: bool = False) -> tuple[tuple[float, ...], float | None, bool]:
-    """(values, the most cores other processes used during the repeats they came from, whether
-    those were all quiet) of take(i) -> a tuple of seconds, called after waiting for quiet each
-    time, until `repeats` quiet calls or 2 * repeats calls. Each value is the fastest of its quiet
-    calls (typical: their median), or without any quiet call the fastest (median) of all."""
-    from layerplan import quiet
-
-    samples = []
-    for i in range(2 * repeats):
-        quiet.wait_until_quiet(wait_s, sample_s=0.3)
-        meter = quiet.OtherCPU()
-        values = take(i)
-        cores = meter.cores()
-        samples.append((values, cores, cores is None or cores <= quiet.QUIET_CORES))
-        if sum(ok for _, _, ok in samples) >= repeats:
-            break
-    pool = [s for s in samples if s[2]] or samples
-    values = tuple((statistics.median if typical else min)(s[0][k] for s in pool) for k in range(len(pool[0][0])))
-    others = [s[1] for s in pool if s[1] is not None]
-    return values, max(others) if others else None, all(s[2] for s in pool)
+    """Rounds(...).result(): a timing's rounds taken one after the other."""
+    return Rounds(take, repeats, wait_s, typical).result()
 
 
 class _Engine:
@@ -180,10 +205,10 @@ class _Engine:
         prompts = [[synthetic_prompt(fill, self.n_vocab, 100 * fill + i) for i in range(n_seqs)] for fill in fills]
         return best_quiet(lambda _: tuple(decode_step_seconds(self.run(p), n_seqs) for p in prompts), DECODE_REPEATS)
 
-    def prefill(self, sizes: tuple[int, ...], n: int):
-        """Seconds of the prompt step of a prompt of each size (n among them), of `n` tokens as
-        BATCH prompts in one step, and of `n` tokens after the `n`-token prompt (its blocks then come
-        from the prefix cache); new prompts every repeat."""
+    def prefill(self, sizes: tuple[int, ...], n: int) -> Rounds:
+        """Rounds of the seconds of the prompt step of a prompt of each size (n among them), of `n`
+        tokens as BATCH prompts in one step, and of `n` tokens after the `n`-token prompt (its blocks
+        then come from the prefix cache); new prompts every round."""
         def step_s(prompts):
             return prefill_seconds(self.run(prompts, max_tokens=1))[1]
 
@@ -194,7 +219,7 @@ class _Engine:
             first = prompts[sizes.index(n)]
             return (*(step_s([p]) for p in prompts), step_s(split),
                     step_s([first + synthetic_prompt(n, self.n_vocab, key + 99)]))
-        return best_quiet(take, PREFILL_REPEATS, typical=True)
+        return Rounds(take, PREFILL_REPEATS, typical=True)
 
 
 def measure_timings(path, threads: int | None = None):
@@ -226,6 +251,17 @@ def measure_timings(path, threads: int | None = None):
         records.append((others, all_quiet))
         return values
 
+    # The prompt timings are taken in rounds between the decode timings of the other engines, on
+    # one engine kept for them (when the host has the memory for it beside another): a prompt
+    # step's timings taken within seconds measured one phase of a VM's host (a 4 x 256 step took
+    # 549-653 ms in four calibrations of one evening, and the prefill predictions followed them).
+    before = _resident_bytes()
+    full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
+    prompt_rounds = full.prefill(sizes, n)
+    if not _room_for_another(_resident_bytes() - before):
+        prompt_rounds.result()
+    between = prompt_rounds.round
+
     # One sequence is timed on engines built for one (as `localrun chat` builds it), the batches on
     # one built for BATCH: an engine's weight layouts follow the sequences it is built for
     # (gguf_weight.lane_types; a Q8_0 head runs in lanes from 2 on, 1.2x a row's time for one row),
@@ -233,6 +269,7 @@ def measure_timings(path, threads: int | None = None):
     shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)
     (shallow_s,) = timed(shallow.decode(1, SHORT_FILL))
     del shallow
+    between()
     single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
     fills = [SHORT_FILL, *middle_fills, long_fill, *([longer_fill] if longer_fill else [])]
     by_fill = dict(zip(fills, timed(single.decode(1, *fills))))
@@ -240,18 +277,21 @@ def measure_timings(path, threads: int | None = None):
     (again_s,) = timed(single.decode(1, SHORT_FILL))   # the machine's speed may have moved meanwhile
     kv_type = single.llm.kv_type or default_kv_type(single.llm.dtype)
     del single
+    between()
     other_kv = []
     for name in (k for k in OTHER_KV_TYPES if k != kv_type):
         one = _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads, kv_type=name)
         one_s = timed(one.decode(1, SHORT_FILL, long_fill))
         del one
+        between()
         batch = _Engine(path, None, long_fill + DECODE_STEPS + 16, BATCH, threads, kv_type=name)
         other_kv.append((name, *one_s, *timed(batch.decode(BATCH, SHORT_FILL, long_fill))))
         del batch
+        between()
     drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
-    full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
     batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill))
-    *prefill_s, split_s, cached_s = timed(full.prefill(sizes, n))
+    *prefill_s, split_s, cached_s = timed(prompt_rounds.result())
+    del full
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
                             fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
@@ -265,6 +305,18 @@ def measure_timings(path, threads: int | None = None):
                             decode_batch_middle_s=batch_middle[0] if batch_middle else None)
     others = [o for o, _ in records if o is not None]
     return timings, kv_type, max(others) if others else None, all(q for _, q in records), drift
+
+
+def _resident_bytes() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def _room_for_another(engine_bytes: int) -> bool:
+    """Whether the host's available memory holds another engine of `engine_bytes` (what building
+    one added to this process, its mapped weights included) twice over."""
+    import psutil
+    return psutil.virtual_memory().available > 2 * engine_bytes
 
 
 def _long_fill(profile) -> tuple[int, int]:

@@ -209,3 +209,56 @@ def test_a_plan_on_a_suspect_calibration_says_why_in_its_source():
     loaded = calibrate.apply(Machine(gpus=(), host=host), calibrate.Calibration(
         fingerprint="x", host_bandwidth=2e10, host_flops=1e11, host_matmul_overhead_s=0.0, suspect=True))
     assert loaded.host.source.endswith("suspect: taken under load")
+
+
+def test_rounds_taken_between_other_work_give_what_best_quiet_gives(fake_quiet):
+    fake_quiet.cores_seen = [0.0, 0.9, 0.1, 0.0]
+    values = iter([(3.0, 5.0), (1.0, 1.0), (2.0, 6.0), (9.0, 9.0)])
+    rounds = calibrate_engine.Rounds(lambda i: next(values), repeats=2)
+    rounds.round()
+    assert not rounds.done()
+    rounds.round()
+    rounds.round()           # the second quiet call: done, and later rounds take nothing
+    rounds.round()
+    assert rounds.done() and len(rounds.samples) == 3
+    assert rounds.result() == ((2.0, 5.0), 0.1, True)
+
+
+def _steps_taken(tiny_gguf, monkeypatch, room: bool) -> str:
+    """The order in which measure_timings took its timings on a tiny model: P a round of the
+    prompt timings, D a decode timing's steps."""
+    monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
+    monkeypatch.setattr(quiet.OtherCPU, "cores", lambda self: 0.0)    # every round quiet: 3 of them
+    monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 1)
+    monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 3)
+    monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
+    monkeypatch.setattr(calibrate_engine, "_room_for_another", lambda engine_bytes: room)
+    order = []
+    run, take_round = calibrate_engine._Engine.run, calibrate_engine.Rounds.round
+
+    def logged_run(self, prompts, max_tokens=calibrate_engine.DECODE_STEPS):
+        if max_tokens == calibrate_engine.DECODE_STEPS:
+            order.append("D")
+        return run(self, prompts, max_tokens)
+
+    def logged_round(self):
+        taken = len(self.samples)
+        take_round(self)
+        if len(self.samples) > taken and self.typical:    # the prompt timings' rounds (the decode ones: not typical)
+            order.append("P")
+    monkeypatch.setattr(calibrate_engine._Engine, "run", logged_run)
+    monkeypatch.setattr(calibrate_engine.Rounds, "round", logged_round)
+    calibrate_engine.measure_timings(tiny_gguf("Q4_0", n_layers=3), 1)
+    return "".join(order)
+
+
+def test_the_prompt_timings_are_spread_over_the_calibration(tiny_gguf, monkeypatch):
+    steps = _steps_taken(tiny_gguf, monkeypatch, room=True)
+    assert steps.count("P") == 3 and not steps.startswith("P") and not steps.endswith("PPP")
+    first, last = steps.index("P"), steps.rindex("P")
+    assert "D" in steps[first:last]    # decode timings between the prompt rounds
+
+
+def test_without_memory_for_two_engines_the_prompt_rounds_come_first(tiny_gguf, monkeypatch):
+    steps = _steps_taken(tiny_gguf, monkeypatch, room=False)
+    assert steps.startswith("PPP") and steps.count("P") == 3
