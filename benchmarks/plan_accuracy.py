@@ -33,6 +33,12 @@ itself, with the page faults of the weights it unpacks (0 to ~130k a step, up to
 JSON has the count of the pass taken), and that is the engine's own cost, not noise. Memory is
 read after the first pass. The calibration waits, repeats and chooses the same way.
 
+The passes of the runs are taken in rounds (one pass of each run, then the next round), each run's
+engine loaded once in a worker process of its own and kept: a run's passes then span the
+benchmark's minutes and not a few seconds, so its median prefill is the host's speed and not the
+one phase of a VM's host its seconds met. (All runs' engines are held at once: for a model that
+fills much of the RAM, give one run at a time.)
+
 The machine's own speed moves too: on a VM, other tenants of its host change it by up to a third
 within minutes while its own CPU shows no other work. So each run's worker, after its passes, times
 the engine calibration's first timing again (one sequence's decode step at a short fill,
@@ -87,78 +93,144 @@ def _rss_bytes(trim: bool) -> int:
     return psutil.Process().memory_info().rss
 
 
-def worker(path: str, n_ctx: int, n_parallel: int, kv: str | None, max_tokens: int, threads: int, passes: int) -> dict:
-    """Load the engine, fill every sequence's context, report memory and speed (own process)."""
-    import torch
+class Worker:
+    """One run's engine in its own process: loaded and filled once, then timed pass by pass."""
 
-    import localrun
-    from layerplan import quiet
-    from localrun import kernels
-    from localrun.calibrate_engine import decode_step_seconds, prefill_seconds, timed_steps
-    from localrun.engine.paged_kv import default_kv_type
-    from localrun.sampling_params import SamplingParams
+    def __init__(self, path: str, n_ctx: int, n_parallel: int, kv: str | None, max_tokens: int, threads: int):
+        import torch
 
-    kernels.available()                                   # the compiled library: part of the baseline
-    torch.ones(256, 256) @ torch.ones(256, 256)            # torch's thread pool and allocator, warm
-    warm = localrun.LLM(path, n_ctx=64, n_threads=threads)  # the runtime's one-time costs (modules imported on
-    warm.generate("Hello", max_tokens=2)                   # first use, op set-up) are not the model's: pay
-    del warm                                               # them, free the model, then measure from there
-    before = _rss_bytes(trim=True)
-    llm = localrun.LLM(path, n_ctx=n_ctx, n_parallel=n_parallel, n_threads=threads, kv_watermark=0.0, kv_type=kv)
-    n_prompt = n_ctx - max_tokens - 1
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0)
-    rows, resident = [], None
-    for p in range(passes):
-        prompts = []
-        for i in range(n_parallel):                        # distinct from the first block: no shared prefix
-            ids = llm.tokenize(f"Story number {i + 1} of pass {p + 1}. " + TEXT * (n_prompt // 8 + 2))
-            prompts.append(ids[:n_prompt])
+        import localrun
+        from localrun import kernels
+        from localrun.sampling_params import SamplingParams
+
+        kernels.available()                                   # the compiled library: part of the baseline
+        torch.ones(256, 256) @ torch.ones(256, 256)            # torch's thread pool and allocator, warm
+        warm = localrun.LLM(path, n_ctx=64, n_threads=threads)  # the runtime's one-time costs (modules imported on
+        warm.generate("Hello", max_tokens=2)                   # first use, op set-up) are not the model's: pay
+        del warm                                               # them, free the model, then measure from there
+        self.path, self.threads, self.n_parallel, self.max_tokens = path, threads, n_parallel, max_tokens
+        self.n_ctx = n_ctx
+        self.before = _rss_bytes(trim=True)
+        self.llm = localrun.LLM(path, n_ctx=n_ctx, n_parallel=n_parallel, n_threads=threads, kv_watermark=0.0,
+                                kv_type=kv)
+        self.n_prompt = n_ctx - max_tokens - 1
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0)
+        self.rows, self.resident = [], None
+
+    def one_pass(self) -> None:
+        """n_parallel new prompts (distinct from their first block: no shared prefix) filled and decoded."""
+        from layerplan import quiet
+        from localrun.calibrate_engine import decode_step_seconds, prefill_seconds, timed_steps
+
+        p, llm, prompts = len(self.rows), self.llm, []
+        for i in range(self.n_parallel):
+            ids = llm.tokenize(f"Story number {i + 1} of pass {p + 1}. " + TEXT * (self.n_prompt // 8 + 2))
+            prompts.append(ids[:self.n_prompt])
         quiet.wait_until_quiet(QUIET_WAIT_S)
         meter = quiet.OtherCPU()
-        steps, seqs = timed_steps(llm.engine, prompts, params)
+        steps, seqs = timed_steps(llm.engine, prompts, self.params)
         other = meter.cores()
-        if resident is None:
-            resident = _rss_bytes(trim=True) - before
+        if self.resident is None:
+            self.resident = _rss_bytes(trim=True) - self.before
         timings = [s.timings() for s in seqs]
         prompt_tokens, prefill_s = prefill_seconds(steps)
-        rows.append({"decode_step_s": decode_step_seconds(steps, n_parallel),
-                     "decode_tok_s_e2e": sum(t["decode_tok_s"] for t in timings) / n_parallel,
-                     "prefill_tok_s": prompt_tokens / prefill_s, "prefill_steps": sum(1 for s in steps if s.prompt_tokens),
-                     "prefill_page_faults": sum(s.page_faults for s in steps if s.prompt_tokens),
-                     "prompt_tok_s_to_last_first_token": sum(t["computed_prompt_tokens"] for t in timings)
-                                                         / max(t["ttft_s"] for t in timings),
-                     "other_cpu": other, "quiet": other is None or other <= quiet.QUIET_CORES})
-    dtype, kv_type = str(llm.dtype).removeprefix("torch."), llm.kv_type or default_kv_type(llm.dtype)
-    n_threads = llm.n_threads
-    del llm, seqs
-    from localrun.calibrate_engine import reference_step_seconds
-    reference_s, reference_long_s = reference_step_seconds(path, threads)   # the machine's speed now (see the
-                                                                              # calibration's)
-    pool = [r for r in rows if r["quiet"]] or rows                # quiet passes: the fastest decode, the median
-    decode = min(pool, key=lambda r: r["decode_step_s"])         # prefill (its page faults are the engine's own)
-    prefill = sorted(pool, key=lambda r: r["prefill_tok_s"])[len(pool) // 2]
-    others = [r["other_cpu"] for r in (decode, prefill) if r["other_cpu"] is not None]
-    return {"n_ctx": n_ctx, "n_parallel": n_parallel, "resident_bytes": resident,
-            "decode_tok_s": 1.0 / decode["decode_step_s"], "decode_tok_s_e2e": decode["decode_tok_s_e2e"],
-            "prefill_tok_s": prefill["prefill_tok_s"], "prefill_steps": prefill["prefill_steps"],
-            "prefill_page_faults": prefill["prefill_page_faults"],
-            "prefill_tok_s_by_pass": [round(r["prefill_tok_s"], 1) for r in rows],
-            "prompt_tok_s_to_last_first_token": prefill["prompt_tok_s_to_last_first_token"],
-            "prompt_tokens": n_prompt, "generated_tokens": max_tokens, "reference_step_s": reference_s,
-            "reference_long_step_s": reference_long_s,
-            "dtype": dtype, "kv_type": kv_type, "threads": n_threads, "passes": len(rows),
-            "quiet_passes": sum(r["quiet"] for r in rows),
-            "other_cpu": max(others) if others else None, "quiet": decode["quiet"] and prefill["quiet"]}
+        n = self.n_parallel
+        self.rows.append({"decode_step_s": decode_step_seconds(steps, n),
+                          "decode_tok_s_e2e": sum(t["decode_tok_s"] for t in timings) / n,
+                          "prefill_tok_s": prompt_tokens / prefill_s,
+                          "prefill_steps": sum(1 for s in steps if s.prompt_tokens),
+                          "prefill_page_faults": sum(s.page_faults for s in steps if s.prompt_tokens),
+                          "prompt_tok_s_to_last_first_token": sum(t["computed_prompt_tokens"] for t in timings)
+                                                              / max(t["ttft_s"] for t in timings),
+                          "other_cpu": other, "quiet": other is None or other <= quiet.QUIET_CORES})
+
+    def result(self) -> dict:
+        """The run's figures (the engine freed first); the machine's speed now, against the calibration's."""
+        from localrun.calibrate_engine import reference_step_seconds
+        from localrun.engine.paged_kv import default_kv_type
+
+        llm, rows = self.llm, self.rows
+        dtype, kv_type = str(llm.dtype).removeprefix("torch."), llm.kv_type or default_kv_type(llm.dtype)
+        n_threads = llm.n_threads
+        del llm, self.llm
+        reference_s, reference_long_s = reference_step_seconds(self.path, self.threads)
+        pool = [r for r in rows if r["quiet"]] or rows                # quiet passes: the fastest decode, the median
+        decode = min(pool, key=lambda r: r["decode_step_s"])         # prefill (its page faults are the engine's own)
+        prefill = sorted(pool, key=lambda r: r["prefill_tok_s"])[len(pool) // 2]
+        others = [r["other_cpu"] for r in (decode, prefill) if r["other_cpu"] is not None]
+        return {"n_ctx": self.n_ctx, "n_parallel": self.n_parallel, "resident_bytes": self.resident,
+                "decode_tok_s": 1.0 / decode["decode_step_s"], "decode_tok_s_e2e": decode["decode_tok_s_e2e"],
+                "prefill_tok_s": prefill["prefill_tok_s"], "prefill_steps": prefill["prefill_steps"],
+                "prefill_page_faults": prefill["prefill_page_faults"],
+                "prefill_tok_s_by_pass": [round(r["prefill_tok_s"], 1) for r in rows],
+                "prompt_tok_s_to_last_first_token": prefill["prompt_tok_s_to_last_first_token"],
+                "prompt_tokens": self.n_prompt, "generated_tokens": self.max_tokens, "reference_step_s": reference_s,
+                "reference_long_step_s": reference_long_s,
+                "dtype": dtype, "kv_type": kv_type, "threads": n_threads, "passes": len(rows),
+                "quiet_passes": sum(r["quiet"] for r in rows),
+                "other_cpu": max(others) if others else None, "quiet": decode["quiet"] and prefill["quiet"]}
 
 
-def _run_worker(path, n_ctx: int, n_parallel: int, kv: str | None, max_tokens: int, threads: int, passes: int) -> dict:
-    run = f"{n_ctx}x{n_parallel}" + (f":{kv}" if kv else "")
-    cmd = [sys.executable, __file__, "--worker", str(path), "--runs", run,
-           "--tokens", str(max_tokens), "--threads", str(threads), "--passes", str(passes)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"worker for {run} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def serve_worker(worker: Worker) -> None:
+    """The worker's side of _Workers: 'ready' once loaded, then 'ok' after each 'pass' line read,
+    and the run's JSON line after 'end'."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "pass":
+            worker.one_pass()
+            print("ok", flush=True)
+        elif line.strip() == "end":
+            print(json.dumps(worker.result()), flush=True)
+            return
+
+
+class _Workers:
+    """One worker process per run, all loaded at once, their passes taken in rounds (a pass of
+    each run, then the next): a run's passes then span the benchmark's minutes, not the seconds
+    of its own, so its median is the host's speed and not one phase of a VM's host (the fastest
+    of each 10 s of a fixed matmul were 1.37x apart over 5 minutes; docs/layerplan.md)."""
+
+    def __init__(self, path, runs, max_tokens: int, threads: int):
+        import tempfile
+
+        self.procs = []
+        for n_ctx, n_parallel, kv in runs:
+            run = f"{n_ctx}x{n_parallel}" + (f":{kv}" if kv else "")
+            cmd = [sys.executable, __file__, "--worker", str(path), "--runs", run,
+                   "--tokens", str(max_tokens), "--threads", str(threads)]
+            err = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            self.procs.append((run, proc, err))
+            self._expect(len(self.procs) - 1, "ready")     # one load at a time
+
+    def _expect(self, i: int, what: str) -> str:
+        run, proc, err = self.procs[i]
+        line = proc.stdout.readline()
+        if not line or (what and line.strip() != what):
+            proc.kill()
+            err.seek(0)
+            raise SystemExit(f"worker for {run} failed:\n{err.read()[-2000:]}")
+        return line
+
+    def _send(self, i: int, command: str) -> None:
+        proc = self.procs[i][1]
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+
+    def passes(self, n: int) -> None:
+        for _ in range(n):
+            for i in range(len(self.procs)):
+                self._send(i, "pass")
+                self._expect(i, "ok")
+
+    def results(self) -> list[dict]:
+        out = []
+        for i, (_, proc, err) in enumerate(self.procs):
+            self._send(i, "end")
+            out.append(json.loads(self._expect(i, "")))
+            proc.wait()
+            err.close()
+        return out
 
 
 def predict(path, measured: dict, calibration) -> dict:
@@ -208,7 +280,7 @@ def main() -> None:
     args = parser.parse_args()
     runs = [_parse_run(r) for r in args.runs]
     if args.worker:
-        print(json.dumps(worker(args.worker, *runs[0], args.tokens, args.threads, args.passes)))
+        serve_worker(Worker(args.worker, *runs[0], args.tokens, args.threads))
         return
 
     import layerplan
@@ -232,9 +304,10 @@ def main() -> None:
     saved = calibrate.save(calibration) if not args.matvec_only else None
     measure_s = time.perf_counter() - started
 
+    workers = _Workers(path, runs, args.tokens, threads)
+    workers.passes(args.passes)
     rows = []
-    for n_ctx, n_parallel, kv in runs:
-        measured = _run_worker(path, n_ctx, n_parallel, kv, args.tokens, threads, args.passes)
+    for measured in workers.results():
         predicted = predict(path, measured, calibration)
         rows.append({"measured": measured, "predicted": predicted,
                      "memory_ratio": measured["resident_bytes"] / predicted["resident_bytes"],
