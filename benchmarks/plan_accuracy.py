@@ -28,15 +28,17 @@ For SmolLM2-135M (Q4_1; --model for another catalog model or GGUF file) on this 
 Other work on the CPU makes timings describe that moment: each run is repeated (--passes, distinct
 prompts, no prefix-cache hits), each pass after waiting for other processes to leave the CPU, with
 the cores they used meanwhile recorded (layerplan.quiet). Of the quiet passes the fastest decode
-counts (other work only ever adds time), and the median prefill: a prompt step's cost varies by
-itself, with the page faults of the weights it unpacks (0 to ~130k a step, up to +130 ms; the
-JSON has the count of the pass taken), and that is the engine's own cost, not noise. Memory is
-read after the first pass. The calibration waits, repeats and chooses the same way.
+and the fastest prefill count (other work only ever adds time, and a VM's host moves its speed in
+phases of minutes: the median prefill of one run's passes moved 10-20% between two runs minutes
+apart, with a calibration between them that did not move; the JSON keeps the median as
+`prefill_tok_s_median`). A prompt step's own cost varies with the page faults of the weights it
+unpacks: the JSON has each pass's count. Memory is read after the first pass. The calibration
+waits, repeats and chooses the same way.
 
 The passes of the runs are taken in rounds (one pass of each run, then the next round), each run's
 engine loaded once in a worker process of its own and kept: a run's passes then span the
-benchmark's minutes and not a few seconds, so its median prefill is the host's speed and not the
-one phase of a VM's host its seconds met. (All runs' engines are held at once: for a model that
+benchmark's minutes and not a few seconds, so its fastest pass is the host's fastest phase of
+those minutes and not whichever phase its seconds met. (All runs' engines are held at once: for a model that
 fills much of the RAM, give one run at a time.)
 
 The machine's own speed moves too: on a VM, other tenants of its host change it by up to a third
@@ -154,15 +156,18 @@ class Worker:
         n_threads = llm.n_threads
         del llm, self.llm
         reference_s, reference_long_s = reference_step_seconds(self.path, self.threads)
-        pool = [r for r in rows if r["quiet"]] or rows                # quiet passes: the fastest decode, the median
-        decode = min(pool, key=lambda r: r["decode_step_s"])         # prefill (its page faults are the engine's own)
-        prefill = sorted(pool, key=lambda r: r["prefill_tok_s"])[len(pool) // 2]
+        pool = [r for r in rows if r["quiet"]] or rows                # quiet passes: the fastest decode and
+        decode = min(pool, key=lambda r: r["decode_step_s"])         # prefill (see the module's notes)
+        prefill = max(pool, key=lambda r: r["prefill_tok_s"])
+        median = sorted(pool, key=lambda r: r["prefill_tok_s"])[len(pool) // 2]
         others = [r["other_cpu"] for r in (decode, prefill) if r["other_cpu"] is not None]
         return {"n_ctx": self.n_ctx, "n_parallel": self.n_parallel, "resident_bytes": self.resident,
                 "decode_tok_s": 1.0 / decode["decode_step_s"], "decode_tok_s_e2e": decode["decode_tok_s_e2e"],
                 "prefill_tok_s": prefill["prefill_tok_s"], "prefill_steps": prefill["prefill_steps"],
                 "prefill_page_faults": prefill["prefill_page_faults"],
+                "prefill_tok_s_median": median["prefill_tok_s"],
                 "prefill_tok_s_by_pass": [round(r["prefill_tok_s"], 1) for r in rows],
+                "prefill_page_faults_by_pass": [r["prefill_page_faults"] for r in rows],
                 "prompt_tok_s_to_last_first_token": prefill["prompt_tok_s_to_last_first_token"],
                 "prompt_tokens": self.n_prompt, "generated_tokens": self.max_tokens, "reference_step_s": reference_s,
                 "reference_long_step_s": reference_long_s,
@@ -187,8 +192,9 @@ def serve_worker(worker: Worker) -> None:
 class _Workers:
     """One worker process per run, all loaded at once, their passes taken in rounds (a pass of
     each run, then the next): a run's passes then span the benchmark's minutes, not the seconds
-    of its own, so its median is the host's speed and not one phase of a VM's host (the fastest
-    of each 10 s of a fixed matmul were 1.37x apart over 5 minutes; docs/layerplan.md)."""
+    of its own, so its fastest is the host's fastest phase of those minutes, not whichever phase
+    its seconds met (the fastest of each 10 s of a fixed matmul were 1.37x apart over 5 minutes;
+    docs/layerplan.md)."""
 
     def __init__(self, path, runs, max_tokens: int, threads: int):
         import tempfile
@@ -272,7 +278,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["512x1", "4096x1", "512x4"], help="CTXxPARALLEL")
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate per sequence")
     parser.add_argument("--passes", type=int, default=8, help="passes per run; of the quiet ones the fastest "
-                        "decode and the median prefill count")
+                        "decode and the fastest prefill count")
     parser.add_argument("--threads", type=int, default=None, help="engine threads, for the calibration and the runs "
                         "(default: the physical cores, as the engine's own default)")
     parser.add_argument("--matvec-only", action="store_true", help="calibrate with the micro-benchmarks only, "
@@ -374,7 +380,9 @@ def main() -> None:
                   "prefill_tok_s": round(r["measured"]["prefill_tok_s"], 1),
                   "prefill_steps": r["measured"]["prefill_steps"],
                   "prefill_page_faults": r["measured"]["prefill_page_faults"],
+                  "prefill_tok_s_median": round(r["measured"]["prefill_tok_s_median"], 1),
                   "prefill_tok_s_by_pass": r["measured"]["prefill_tok_s_by_pass"],
+                  "prefill_page_faults_by_pass": r["measured"]["prefill_page_faults_by_pass"],
                   "prompt_tok_s_to_last_first_token": round(r["measured"]["prompt_tok_s_to_last_first_token"], 1),
                   "predicted_prefill_tok_s": round(r["predicted"]["prefill_tok_s"], 1),
                   "prefill_ratio": round(r["prefill_ratio"], 3),

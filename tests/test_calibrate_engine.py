@@ -61,12 +61,6 @@ def test_the_fastest_quiet_repeat_counts(fake_quiet):
     assert best_quiet(lambda i: next(values), repeats=2) == ((2.0, 5.0), 0.1, True)
 
 
-def test_a_typical_timing_is_the_median_of_the_quiet_repeats(fake_quiet):
-    fake_quiet.cores_seen = [0.0, 0.9, 0.0, 0.1]
-    values = iter([(3.0,), (0.5,), (1.0,), (2.0,)])
-    assert best_quiet(lambda i: next(values), repeats=3, typical=True) == ((2.0,), 0.1, True)
-
-
 def test_without_a_quiet_repeat_the_fastest_counts_and_says_so(fake_quiet):
     fake_quiet.cores_seen = [0.5, 0.7]
     values = iter([(3.0,), (2.0,)])
@@ -233,8 +227,8 @@ def _steps_taken(tiny_gguf, monkeypatch, room: bool) -> str:
     monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 3)
     monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
     monkeypatch.setattr(calibrate_engine, "_room_for_another", lambda engine_bytes: room)
-    order = []
-    run, take_round = calibrate_engine._Engine.run, calibrate_engine.Rounds.round
+    order, prompt_rounds = [], []
+    run, take_round, prefill = calibrate_engine._Engine.run, calibrate_engine.Rounds.round, calibrate_engine._Engine.prefill
 
     def logged_run(self, prompts, max_tokens=calibrate_engine.DECODE_STEPS):
         if max_tokens == calibrate_engine.DECODE_STEPS:
@@ -244,9 +238,14 @@ def _steps_taken(tiny_gguf, monkeypatch, room: bool) -> str:
     def logged_round(self):
         taken = len(self.samples)
         take_round(self)
-        if len(self.samples) > taken and self.typical:    # the prompt timings' rounds (the decode ones: not typical)
+        if len(self.samples) > taken and self in prompt_rounds:
             order.append("P")
+
+    def kept_prefill(self, *args):
+        prompt_rounds.append(prefill(self, *args))
+        return prompt_rounds[-1]
     monkeypatch.setattr(calibrate_engine._Engine, "run", logged_run)
+    monkeypatch.setattr(calibrate_engine._Engine, "prefill", kept_prefill)
     monkeypatch.setattr(calibrate_engine.Rounds, "round", logged_round)
     calibrate_engine.measure_timings(tiny_gguf("Q4_0", n_layers=3), 1)
     return "".join(order)
