@@ -27,18 +27,23 @@ For SmolLM2-135M (Q4_1; --model for another catalog model or GGUF file) on this 
 
 Other work on the CPU makes timings describe that moment: each run is repeated (--passes, distinct
 prompts, no prefix-cache hits), each pass after waiting for other processes to leave the CPU, with
-the cores they used meanwhile recorded (layerplan.quiet). Of the quiet passes the fastest decode
-and the fastest prefill count (other work only ever adds time, and a VM's host moves its speed in
-phases of minutes: the median prefill of one run's passes moved 10-20% between two runs minutes
-apart, with a calibration between them that did not move; the JSON keeps the median as
-`prefill_tok_s_median`). A prompt step's own cost varies with the page faults of the weights it
-unpacks: the JSON has each pass's count. Memory is read after the first pass. The calibration
-waits, repeats and chooses the same way.
+the cores they used meanwhile recorded (layerplan.quiet). Of the quiet passes the median decode
+and the median prefill count. The passes are spread over the benchmark's minutes (below), and a
+VM's host moves its speed in phases of minutes, so the fastest of them is the luckiest phase of
+those minutes, not what a user meets: with the fastest decode, one sequence's decode at 2048-4096
+cached tokens read 1.07-1.16 in four runs, against a calibration whose repeats meet one phase
+(docs/layerplan.md, 2026-12-05); with the fastest prefill on both sides, a run read 0.85-0.88 when
+the benchmark met a slower phase than the calibration's best. A prompt step also varies by itself,
+with the page faults of the weights it unpacks. The JSON has every pass's decode and prefill speed
+and page faults, and the fastest of each (`decode_tok_s_fastest`, `prefill_tok_s_fastest`).
+Memory is read after the first pass. The calibration waits and repeats the same way (a decode
+timing: the fastest of 3 repeats within seconds, so one phase, trimmed of a late step; a prompt
+timing: the median of 6 rounds spread over its minutes).
 
 The passes of the runs are taken in rounds (one pass of each run, then the next round), each run's
 engine loaded once in a worker process of its own and kept: a run's passes then span the
-benchmark's minutes and not a few seconds, so its fastest pass is the host's fastest phase of
-those minutes and not whichever phase its seconds met. (All runs' engines are held at once: for a model that
+benchmark's minutes and not a few seconds, so its figures are the host's over those minutes and
+not whichever phase its seconds met. (All runs' engines are held at once: for a model that
 fills much of the RAM, give one run at a time.)
 
 The machine's own speed moves too: on a VM, other tenants of its host change it by up to a third
@@ -156,16 +161,20 @@ class Worker:
         n_threads = llm.n_threads
         del llm, self.llm
         reference_s, reference_long_s = reference_step_seconds(self.path, self.threads)
-        pool = [r for r in rows if r["quiet"]] or rows                # quiet passes: the fastest decode and
-        decode = min(pool, key=lambda r: r["decode_step_s"])         # prefill (see the module's notes)
-        prefill = max(pool, key=lambda r: r["prefill_tok_s"])
-        median = sorted(pool, key=lambda r: r["prefill_tok_s"])[len(pool) // 2]
+        pool = [r for r in rows if r["quiet"]] or rows                # quiet passes: the median decode and
+
+        def middle(key):                                              # prefill (see the module's notes)
+            return sorted(pool, key=key)[len(pool) // 2]
+        decode, prefill = middle(lambda r: 1.0 / r["decode_step_s"]), middle(lambda r: r["prefill_tok_s"])
+        fastest = max(pool, key=lambda r: r["prefill_tok_s"])
         others = [r["other_cpu"] for r in (decode, prefill) if r["other_cpu"] is not None]
         return {"n_ctx": self.n_ctx, "n_parallel": self.n_parallel, "resident_bytes": self.resident,
                 "decode_tok_s": 1.0 / decode["decode_step_s"], "decode_tok_s_e2e": decode["decode_tok_s_e2e"],
+                "decode_tok_s_fastest": 1.0 / min(r["decode_step_s"] for r in pool),
+                "decode_tok_s_by_pass": [round(1.0 / r["decode_step_s"], 1) for r in rows],
                 "prefill_tok_s": prefill["prefill_tok_s"], "prefill_steps": prefill["prefill_steps"],
                 "prefill_page_faults": prefill["prefill_page_faults"],
-                "prefill_tok_s_median": median["prefill_tok_s"],
+                "prefill_tok_s_fastest": fastest["prefill_tok_s"],
                 "prefill_tok_s_by_pass": [round(r["prefill_tok_s"], 1) for r in rows],
                 "prefill_page_faults_by_pass": [r["prefill_page_faults"] for r in rows],
                 "prompt_tok_s_to_last_first_token": prefill["prompt_tok_s_to_last_first_token"],
@@ -192,8 +201,8 @@ def serve_worker(worker: Worker) -> None:
 class _Workers:
     """One worker process per run, all loaded at once, their passes taken in rounds (a pass of
     each run, then the next): a run's passes then span the benchmark's minutes, not the seconds
-    of its own, so its fastest is the host's fastest phase of those minutes, not whichever phase
-    its seconds met (the fastest of each 10 s of a fixed matmul were 1.37x apart over 5 minutes;
+    of its own, so its figures are the host's over those minutes, not whichever phase its seconds
+    met (the fastest of each 10 s of a fixed matmul were 1.37x apart over 5 minutes;
     docs/layerplan.md)."""
 
     def __init__(self, path, runs, max_tokens: int, threads: int):
@@ -277,8 +286,8 @@ def main() -> None:
                         f"(default {DEFAULT_MODEL})")
     parser.add_argument("--runs", nargs="+", default=["512x1", "4096x1", "512x4"], help="CTXxPARALLEL")
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate per sequence")
-    parser.add_argument("--passes", type=int, default=8, help="passes per run; of the quiet ones the fastest "
-                        "decode and the fastest prefill count")
+    parser.add_argument("--passes", type=int, default=8, help="passes per run; of the quiet ones the median "
+                        "decode and prefill count")
     parser.add_argument("--threads", type=int, default=None, help="engine threads, for the calibration and the runs "
                         "(default: the physical cores, as the engine's own default)")
     parser.add_argument("--matvec-only", action="store_true", help="calibrate with the micro-benchmarks only, "
@@ -375,12 +384,14 @@ def main() -> None:
                   "memory_ratio": round(r["memory_ratio"], 3),
                   "decode_tok_s": round(r["measured"]["decode_tok_s"], 2),
                   "decode_tok_s_e2e": round(r["measured"]["decode_tok_s_e2e"], 2),
+                  "decode_tok_s_fastest": round(r["measured"]["decode_tok_s_fastest"], 2),
+                  "decode_tok_s_by_pass": r["measured"]["decode_tok_s_by_pass"],
                   "predicted_decode_tok_s": round(r["predicted"]["decode_tok_s"], 2),
                   "decode_ratio": round(r["decode_ratio"], 3),
                   "prefill_tok_s": round(r["measured"]["prefill_tok_s"], 1),
                   "prefill_steps": r["measured"]["prefill_steps"],
                   "prefill_page_faults": r["measured"]["prefill_page_faults"],
-                  "prefill_tok_s_median": round(r["measured"]["prefill_tok_s_median"], 1),
+                  "prefill_tok_s_fastest": round(r["measured"]["prefill_tok_s_fastest"], 1),
                   "prefill_tok_s_by_pass": r["measured"]["prefill_tok_s_by_pass"],
                   "prefill_page_faults_by_pass": r["measured"]["prefill_page_faults_by_pass"],
                   "prompt_tok_s_to_last_first_token": round(r["measured"]["prompt_tok_s_to_last_first_token"], 1),

@@ -37,15 +37,16 @@ more than layerplan.calibrate.DRIFT_LIMIT is suspect, as is one whose timings th
 model misses by more than MISFIT_LIMIT (a slower phase of the host that met some timings and not
 the first one). The prompt timings are taken in rounds between the other engines' decode
 timings, on an engine kept for them (where memory allows), so that they span the calibration's
-minutes, and the fastest quiet round counts, as for decode: a VM's host moves its speed in phases
-of tens of seconds to minutes (the fastest of each 10 s of a fixed matmul 1.37x apart over 5
-minutes, of each 60 s 1.13x, its median more); six repeats within seconds measured one phase, and
-a median of rounds spread over two minutes still missed the benchmark's by a slower phase of
-several minutes (docs/layerplan.md, 2026-12-05). A prompt step's own variation, the fresh pages
-the allocator takes for the unpacked weights (once up to a third of a step; docs/measurements.md),
-is small now: 6k-250k page faults a pass of 512-8192 prompt tokens, a few percent of its time
-at ~1 us a fault (an estimate; plan_accuracy's JSON has the count of every pass). A warm-up runs
-first in every engine, so first-touch costs (weights paged in, kernels set up) are not timed.
+minutes, and a prompt timing is the median of its quiet rounds: a VM's host moves its speed in
+phases of tens of seconds to minutes (the fastest of each 10 s of a fixed matmul 1.37x apart over
+5 minutes, of each 60 s 1.13x), and six repeats within seconds measured one phase. The median,
+not the fastest: the fastest of six rounds is the calibration's luckiest moment, and a benchmark
+minutes later in a slower phase read 0.85-0.88 of it where the median read within 0.9-1.1 in 5 of
+6 runs (docs/layerplan.md, 2026-12-05). A prompt step also varies by itself, with the fresh pages
+the allocator takes for the unpacked weights (once up to a third of a step, docs/measurements.md;
+now 6k-250k page faults a pass of 512-8192 prompt tokens), which is the engine's own cost. A
+warm-up runs first in every engine, so first-touch costs (weights paged in, kernels set up) are
+not timed.
 """
 from __future__ import annotations
 
@@ -137,12 +138,12 @@ class Rounds:
     for quiet each time, until `repeats` quiet calls or 2 * repeats calls. result() takes the
     rounds still missing and gives (values, the most cores other processes used during the
     rounds they came from, whether those were all quiet): each value the fastest of its quiet
-    calls, or without any quiet call the fastest of all. Rounds
+    calls (typical: their median), or without any quiet call the fastest (median) of all. Rounds
     taken between other timings spread the timing over the calibration's minutes, so that it is
-    the host's speed and not one phase of it (docs/layerplan.md, "What the host does")."""
+    the host's speed and not one phase of it (docs/layerplan.md, 2026-12-04 night and 12-05)."""
 
-    def __init__(self, take, repeats: int, wait_s: float = QUIET_WAIT_S):
-        self.take, self.repeats, self.wait_s = take, repeats, wait_s
+    def __init__(self, take, repeats: int, wait_s: float = QUIET_WAIT_S, typical: bool = False):
+        self.take, self.repeats, self.wait_s, self.typical = take, repeats, wait_s, typical
         self.samples = []    # (values, others' cores, quiet) of each call
 
     def done(self) -> bool:
@@ -164,14 +165,16 @@ class Rounds:
         while not self.done():
             self.round()
         pool = [s for s in self.samples if s[2]] or self.samples
-        values = tuple(min(s[0][k] for s in pool) for k in range(len(pool[0][0])))
+        pick = statistics.median if self.typical else min
+        values = tuple(pick(s[0][k] for s in pool) for k in range(len(pool[0][0])))
         others = [s[1] for s in pool if s[1] is not None]
         return values, max(others) if others else None, all(s[2] for s in pool)
 
 
-def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S) -> tuple[tuple[float, ...], float | None, bool]:
+def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S,
+               typical: bool = False) -> tuple[tuple[float, ...], float | None, bool]:
     """Rounds(...).result(): a timing's rounds taken one after the other."""
-    return Rounds(take, repeats, wait_s).result()
+    return Rounds(take, repeats, wait_s, typical).result()
 
 
 class _Engine:
@@ -218,7 +221,7 @@ class _Engine:
             first = prompts[sizes.index(n)]
             return (*(step_s([p]) for p in prompts), step_s(split),
                     step_s([first + synthetic_prompt(n, self.n_vocab, key + 99)]))
-        return Rounds(take, PREFILL_REPEATS)
+        return Rounds(take, PREFILL_REPEATS, typical=True)
 
 
 def measure_timings(path, threads: int | None = None):

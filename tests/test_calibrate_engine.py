@@ -61,6 +61,12 @@ def test_the_fastest_quiet_repeat_counts(fake_quiet):
     assert best_quiet(lambda i: next(values), repeats=2) == ((2.0, 5.0), 0.1, True)
 
 
+def test_a_typical_timing_is_the_median_of_the_quiet_repeats(fake_quiet):
+    fake_quiet.cores_seen = [0.0, 0.9, 0.0, 0.1]
+    values = iter([(3.0,), (0.5,), (1.0,), (2.0,)])
+    assert best_quiet(lambda i: next(values), repeats=3, typical=True) == ((2.0,), 0.1, True)
+
+
 def test_without_a_quiet_repeat_the_fastest_counts_and_says_so(fake_quiet):
     fake_quiet.cores_seen = [0.5, 0.7]
     values = iter([(3.0,), (2.0,)])
