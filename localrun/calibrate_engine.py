@@ -259,6 +259,11 @@ def measure_timings(path, threads: int | None = None):
     # 549-653 ms in four calibrations of one evening, and the prefill predictions followed them).
     before = _resident_bytes()
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
+    # its decode timings first, on the engine fresh as every other engine's decode timings are
+    # (taken last, after the prompt rounds, gemma-3-270m's 512 x 4 decode ratio read 0.82-0.99 in
+    # six runs of plan_accuracy.py, its prediction 55.1-64.2 tok/s a sequence; the night before,
+    # with the engine fresh, 0.99-1.15 and 52.1-56.2)
+    batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill))
     prompt_rounds = full.prefill(sizes, n)
     if not _room_for_another(_resident_bytes() - before):
         prompt_rounds.result()
@@ -291,7 +296,6 @@ def measure_timings(path, threads: int | None = None):
         del batch
         between()
     drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
-    batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill))
     *prefill_s, split_s, cached_s = timed(prompt_rounds.result())
     del full
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
