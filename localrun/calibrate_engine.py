@@ -260,9 +260,10 @@ def measure_timings(path, threads: int | None = None):
     before = _resident_bytes()
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
     # its decode timings first, on the engine fresh as every other engine's decode timings are
-    # (taken last, after the prompt rounds, gemma-3-270m's 512 x 4 decode ratio read 0.82-0.99 in
-    # six runs of plan_accuracy.py, its prediction 55.1-64.2 tok/s a sequence; the night before,
-    # with the engine fresh, 0.99-1.15 and 52.1-56.2)
+    # (taken last, after the prompt rounds and the other engines, gemma-3-270m's 512 x 4 decode
+    # ratio read 0.82-0.99 in six runs of plan_accuracy.py, its prediction 55.1-64.2 tok/s a
+    # sequence; the night before, with the engine fresh, 0.99-1.15 and 52.1-56.2; the cause is
+    # open: docs/layerplan.md, 2026-12-05)
     batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill))
     prompt_rounds = full.prefill(sizes, n)
     if not _room_for_another(_resident_bytes() - before):
