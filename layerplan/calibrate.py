@@ -55,11 +55,13 @@ ENGINE_FILE = "engine-{key}.json"       # and the latest one of each model file 
 # batch's rate over its middle and long fills, and the memory bandwidth the engine's where its
 # steps need more than the matvec's; 9 was a reverted middle-fill attempt whose saved calibrations
 # must not be read as 10's; 11: the small ops of a batched step on both threads and q/k/v read in
-# place by the attention kernel, a 4-row decode step ~0.5 ms less, 16 rows ~1.5-2 ms).
-SPEED_MODEL_REVISION = 11
+# place by the attention kernel, a 4-row decode step ~0.5 ms less, 16 rows ~1.5-2 ms; 12: every engine
+# timing the median of rounds spread over the calibration, where decode timings were the fastest of
+# repeats back to back).
+SPEED_MODEL_REVISION = 12
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
-DRIFT_LIMIT = 0.10   # an engine calibration whose first timing, retaken last, moved by more is suspect
+DRIFT_LIMIT = 0.10   # an engine calibration whose first timing moved by more from its first round to its last is suspect
 MISFIT_LIMIT = 0.15  # and one whose timings the fitted speed model misses by more: one of them met a slower
                      # host (on a 2-core Zen 3 VM an int8 engine's short-fill step took 11.0 ms where float16's
                      # took 7.5 in the same calibration, drift 9.5%: the worst timing missed by 26%; quiet

@@ -29,24 +29,22 @@ Timings that meet other work describe that moment, not the machine: each is take
 (DECODE_REPEATS, PREFILL_REPEATS), each after waiting (a bounded time) for other processes to leave
 the CPU, with the cores they used meanwhile recorded (layerplan.quiet); a timing without a quiet
 repeat makes the calibration suspect. A decode timing is the median of its steps, so one late
-step (a garbage collection) does not move it, and the fastest quiet repeat counts (other work only
-ever adds time). The decode timings of one engine are taken in turn within each repeat (short fill,
-middle, long, longer; short, ...), so that their fastest come from the same rounds when the machine's
-speed moves; the first is taken once more at the end, and a calibration across which it moved by
-more than layerplan.calibrate.DRIFT_LIMIT is suspect, as is one whose timings the fitted speed
-model misses by more than MISFIT_LIMIT (a slower phase of the host that met some timings and not
-the first one). The prompt timings are taken in rounds between the other engines' decode
-timings, on an engine kept for them (where memory allows), so that they span the calibration's
-minutes, and a prompt timing is the median of its quiet rounds: a VM's host moves its speed in
-phases of tens of seconds to minutes (the fastest of each 10 s of a fixed matmul 1.37x apart over
-5 minutes, of each 60 s 1.13x), and six repeats within seconds measured one phase. The median,
-not the fastest: the fastest of six rounds is the calibration's luckiest moment, and a benchmark
-minutes later in a slower phase read 0.85-0.88 of it where the median read within 0.9-1.1 in 5 of
-6 runs (docs/layerplan.md, 2026-12-05). A prompt step also varies by itself, with the fresh pages
-the allocator takes for the unpacked weights (once up to a third of a step, docs/measurements.md;
-now 6k-250k page faults a pass of 512-8192 prompt tokens), which is the engine's own cost. A
-warm-up runs first in every engine, so first-touch costs (weights paged in, kernels set up) are
-not timed.
+step (a garbage collection) does not move it; the decode timings of one engine are taken in turn
+within each round (short fill, middle, long, longer). Every engine is kept (where memory allows)
+and every timing taken in rounds, one round of each and then the next, so that each spans the
+calibration's minutes, and a timing is the median of its quiet rounds: a VM's host moves its
+speed in phases of tens of seconds to minutes (the fastest of each 10 s of a fixed matmul 1.37x
+apart over 5 minutes, of each 60 s 1.13x), and repeats within seconds measured one phase. The
+median, not the fastest: the fastest of six rounds is the calibration's luckiest moment, and a
+benchmark minutes later in a slower phase read 0.85-0.88 of it where the median read within
+0.9-1.1 in 5 of 6 runs (docs/layerplan.md, 2026-12-05). The first timing's first round against
+its last says how far the host moved across the calibration; one that moved by more than
+layerplan.calibrate.DRIFT_LIMIT is suspect, as is one whose timings the fitted speed model misses
+by more than MISFIT_LIMIT (a slower phase of the host that met some timings and not others). A
+prompt step also varies by itself, with the fresh pages the allocator takes for the unpacked
+weights (once up to a third of a step, docs/measurements.md; now 6k-250k page faults a pass of
+512-8192 prompt tokens), which is the engine's own cost. A warm-up runs first in every engine, so
+first-touch costs (weights paged in, kernels set up) are not timed.
 """
 from __future__ import annotations
 
@@ -65,7 +63,7 @@ OTHER_KV_TYPES = ("int8", "fp8")  # the engine's quantized caches, timed besides
 PROMPT_SIZES = (128, 384, 1024, 1536)   # prompts whose single prefill step is timed (within a short context)
 ATTENTION_TOKENS = 1024       # prompt tokens of the two attention timings
 DECODE_STEPS = 24             # tokens generated per decode timing
-DECODE_REPEATS = 3            # quiet repeats per timing; the fastest counts
+DECODE_REPEATS = 6            # quiet rounds per timing, spread over the calibration; their median counts
 PREFILL_REPEATS = 6
 QUIET_WAIT_S = 20.0           # the longest one repeat waits for other processes to leave the CPU
 ENGINE_ATTEMPTS = 3           # engine calibrations taken at most while the host's speed moves across them
@@ -170,6 +168,13 @@ class Rounds:
         others = [s[1] for s in pool if s[1] is not None]
         return values, max(others) if others else None, all(s[2] for s in pool)
 
+    def moved(self, k: int = 0) -> float:
+        """How far value k moved from the first round that counts to the last: the slower of the
+        two over the faster, less one (0.0 with one round)."""
+        pool = [s for s in self.samples if s[2]] or self.samples
+        first, last = pool[0][0][k], pool[-1][0][k]
+        return max(first, last) / min(first, last) - 1.0
+
 
 def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S,
                typical: bool = False) -> tuple[tuple[float, ...], float | None, bool]:
@@ -199,13 +204,13 @@ class _Engine:
     def run(self, prompts, max_tokens: int = DECODE_STEPS) -> list[StepTime]:
         return timed_steps(self.llm.engine, prompts, replace(self.params, max_tokens=max_tokens))[0]
 
-    def decode(self, n_seqs: int, *fills: int):
-        """Seconds per decode step of n_seqs sequences after each of `fills` prompt tokens each,
-        the fills timed in turn within each repeat, so that the fastest of each comes from the
-        same rounds when the machine's speed moves (the prompts are the same every repeat: from
-        the second on their blocks come from the prefix cache)."""
+    def decode(self, n_seqs: int, *fills: int) -> Rounds:
+        """Rounds of the seconds per decode step of n_seqs sequences after each of `fills` prompt
+        tokens each, the fills timed in turn within each round (the prompts are the same every
+        round: their blocks come from the prefix cache where the engine's pool still holds them)."""
         prompts = [[synthetic_prompt(fill, self.n_vocab, 100 * fill + i) for i in range(n_seqs)] for fill in fills]
-        return best_quiet(lambda _: tuple(decode_step_seconds(self.run(p), n_seqs) for p in prompts), DECODE_REPEATS)
+        return Rounds(lambda _: tuple(decode_step_seconds(self.run(p), n_seqs) for p in prompts), DECODE_REPEATS,
+                      typical=True)
 
     def prefill(self, sizes: tuple[int, ...], n: int) -> Rounds:
         """Rounds of the seconds of the prompt step of a prompt of each size (n among them), of `n`
@@ -227,8 +232,8 @@ class _Engine:
 def measure_timings(path, threads: int | None = None):
     """The engine timings layerplan.engine_fit needs, for the model at `path`, and the quiet
     record: (EngineTimings, kv_type, others' cores at worst among the timings used, all quiet,
-    drift). The first timing (one sequence's decode step at the short fill) is taken again after
-    the other one-sequence ones; drift is the slower of the two over the faster, less one. On a
+    drift). drift: how far the first timing (one sequence's decode step at the short fill) moved
+    from its first round to its last (Rounds.moved). On a
     virtual machine the host's other tenants move its speed while our own CPU shows no other
     work: on a 2-core Zen 3 VM a decode step took 6.7-9.1 ms within minutes with steal at 0.1%
     (docs/layerplan.md), and a calibration taken across such a move is not this machine's."""
@@ -246,59 +251,65 @@ def measure_timings(path, threads: int | None = None):
     n = min(ATTENTION_TOKENS, room // 2)                        # the cached timing holds twice as many
     n -= n % BATCH
     sizes = tuple(sorted({max(1, min(size, n * size // ATTENTION_TOKENS)) for size in PROMPT_SIZES}))  # one step each
-    records = []                                                # (others' cores, quiet) of each timing used
-
-    def timed(result):
-        values, others, all_quiet = result
-        records.append((others, all_quiet))
-        return values
-
-    # The prompt timings are taken in rounds between the decode timings of the other engines, on
-    # one engine kept for them (when the host has the memory for it beside another): a prompt
-    # step's timings taken within seconds measured one phase of a VM's host (a 4 x 256 step took
-    # 549-653 ms in four calibrations of one evening, and the prefill predictions followed them).
-    before = _resident_bytes()
-    full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
-    # its decode timings first, on the engine fresh as every other engine's decode timings are
-    # (taken last, after the prompt rounds and the other engines, gemma-3-270m's 512 x 4 decode
-    # ratio read 0.82-0.99 in six runs of plan_accuracy.py, its prediction 55.1-64.2 tok/s a
-    # sequence; the night before, with the engine fresh, 0.99-1.15 and 52.1-56.2; the cause is
-    # open: docs/layerplan.md, 2026-12-05)
-    batch_s, *batch_middle, batch_long_s = timed(full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill))
-    prompt_rounds = full.prefill(sizes, n)
-    if not _room_for_another(_resident_bytes() - before):
-        prompt_rounds.result()
-    between = prompt_rounds.round
+    fills = [SHORT_FILL, *middle_fills, long_fill, *([longer_fill] if longer_fill else [])]
 
     # One sequence is timed on engines built for one (as `localrun chat` builds it), the batches on
     # one built for BATCH: an engine's weight layouts follow the sequences it is built for
     # (gguf_weight.lane_types; a Q8_0 head runs in lanes from 2 on, 1.2x a row's time for one row),
     # so a one-sequence step of the batch engine was slower than the plan's one-sequence case.
-    shallow = _Engine(path, n_short, SHORT_FILL + DECODE_STEPS + 16, 1, threads)
-    (shallow_s,) = timed(shallow.decode(1, SHORT_FILL))
-    del shallow
-    between()
-    single = _Engine(path, None, (longer_fill or long_fill) + DECODE_STEPS + 16, 1, threads)
-    fills = [SHORT_FILL, *middle_fills, long_fill, *([longer_fill] if longer_fill else [])]
-    by_fill = dict(zip(fills, timed(single.decode(1, *fills))))
+    # The BATCH engine also takes the prompt timings.
+    def engine(n_layers, n_ctx, n_seqs, kv_type=None):
+        return lambda: _Engine(path, n_layers, n_ctx + DECODE_STEPS + 16, n_seqs, threads, kv_type)
+    plans = {"shallow": (engine(n_short, SHORT_FILL, 1), (1, SHORT_FILL)),
+             "single": (engine(None, longer_fill or long_fill, 1), (1, *fills))}
+    for name in OTHER_KV_TYPES:
+        plans[f"{name} one"] = (engine(None, long_fill, 1, name), (1, SHORT_FILL, long_fill))
+        plans[f"{name} batch"] = (engine(None, long_fill, BATCH, name), (BATCH, SHORT_FILL, long_fill))
+
+    before = _resident_bytes()
+    full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
+    kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
+    for name in [k for k in OTHER_KV_TYPES if k == kv_type]:   # the default cache is the one timed throughout
+        del plans[f"{name} one"], plans[f"{name} batch"]
+    rounds = {"batch": full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill), "prompt": full.prefill(sizes, n)}
+    if _room_for(len(plans), _resident_bytes() - before):
+        # Every engine kept, and every timing taken a round at a time, each round of each after one
+        # of all the others: a VM's host moves its speed in phases of tens of seconds to minutes,
+        # and repeats taken within seconds measured one phase (a 4 x 256 prompt step took 549-653 ms
+        # in four calibrations of one evening and the prefill predictions followed them; one
+        # sequence's decode, timed back to back, met one phase while the benchmark's passes met
+        # several: docs/layerplan.md, 2026-12-05).
+        engines = {name: build() for name, (build, _) in plans.items()}
+        rounds.update((name, engines[name].decode(*args)) for name, (_, args) in plans.items())
+        while not all(r.done() for r in rounds.values()):
+            for r in rounds.values():
+                r.round()
+        del engines
+    else:   # one engine at a time, each timing's rounds taken one after the other
+        for r in rounds.values():
+            r.result()
+        del full
+        for name, (build, args) in plans.items():
+            one = build()
+            rounds[name] = one.decode(*args)
+            rounds[name].result()
+            del one
+    records = []                                                # (others' cores, quiet) of each timing used
+
+    def timed(name):
+        values, others, all_quiet = rounds[name].result()
+        records.append((others, all_quiet))
+        return values
+
+    batch_s, *batch_middle, batch_long_s = timed("batch")
+    *prefill_s, split_s, cached_s = timed("prompt")
+    (shallow_s,) = timed("shallow")
+    by_fill = dict(zip(fills, timed("single")))
     short_s, long_s = by_fill[SHORT_FILL], by_fill[long_fill]
-    (again_s,) = timed(single.decode(1, SHORT_FILL))   # the machine's speed may have moved meanwhile
-    kv_type = single.llm.kv_type or default_kv_type(single.llm.dtype)
-    del single
-    between()
-    other_kv = []
-    for name in (k for k in OTHER_KV_TYPES if k != kv_type):
-        one = _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads, kv_type=name)
-        one_s = timed(one.decode(1, SHORT_FILL, long_fill))
-        del one
-        between()
-        batch = _Engine(path, None, long_fill + DECODE_STEPS + 16, BATCH, threads, kv_type=name)
-        other_kv.append((name, *one_s, *timed(batch.decode(BATCH, SHORT_FILL, long_fill))))
-        del batch
-        between()
-    drift, short_s = max(short_s, again_s) / min(short_s, again_s) - 1.0, min(short_s, again_s)
-    *prefill_s, split_s, cached_s = timed(prompt_rounds.result())
-    del full
+    # the first timing's first round against its last: how far the machine's speed moved meanwhile
+    drift = rounds["single"].moved(fills.index(SHORT_FILL))
+    other_kv = [(name, *timed(f"{name} one"), *timed(f"{name} batch"))
+                for name in OTHER_KV_TYPES if f"{name} one" in rounds]
     middle = DECODE_STEPS / 2      # the median decode step is the middle one: its cache holds fill + that
     timings = EngineTimings(n_layers_short=n_short, batch=BATCH, fill_short=SHORT_FILL + middle,
                             fill_long=long_fill + middle, decode_short_shallow_s=shallow_s, decode_short_s=short_s,
@@ -319,11 +330,11 @@ def _resident_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _room_for_another(engine_bytes: int) -> bool:
-    """Whether the host's available memory holds another engine of `engine_bytes` (what building
-    one added to this process, its mapped weights included) twice over."""
+def _room_for(n_engines: int, engine_bytes: int) -> bool:
+    """Whether the host's available memory holds n_engines more engines of `engine_bytes` (what
+    building the largest added to this process, its mapped weights included), and one more to spare."""
     import psutil
-    return psutil.virtual_memory().available > 2 * engine_bytes
+    return psutil.virtual_memory().available > (n_engines + 1) * engine_bytes
 
 
 def _long_fill(profile) -> tuple[int, int]:
@@ -334,14 +345,14 @@ def _long_fill(profile) -> tuple[int, int]:
 
 def reference_step_seconds(path, threads: int | None = None) -> tuple[float, float]:
     """The engine calibration's first two timings, taken afresh: one sequence's decode step at the
-    short and at the long fill through all layers, on an engine built for one (the fastest of
-    DECODE_REPEATS quiet repeats). Against the calibration's own (Calibration.engine_reference_s,
+    short and at the long fill through all layers, on an engine built for one (the median of
+    DECODE_REPEATS quiet repeats, taken one after the other). Against the calibration's own (Calibration.engine_reference_s,
     engine_reference_long_s) they say how far the machine's speed has moved since, which a VM's
     host can do by a third within minutes: the short step mostly computes, the long one mostly
     reads the KV cache from memory, and the host's other tenants move the two apart."""
     import layerplan
     _, long_fill = _long_fill(layerplan.profile_gguf(path))
-    return _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads).decode(1, SHORT_FILL, long_fill)[0]
+    return _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads).decode(1, SHORT_FILL, long_fill).result()[0]
 
 
 def measure_timings_in_new_process(path, threads: int | None = None):
@@ -388,7 +399,7 @@ def measure_engine(path, calibration, threads: int | None = None, attempts: int 
     """`calibration` (layerplan.calibrate.Calibration of this host) with the engine's own figures
     for the model at `path`, fitted through the speed model (layerplan.engine_fit).
 
-    A calibration across which the host's speed moved (its first timing, retaken last, moved by
+    A calibration across which the host's speed moved (its first timing's last round moved from its first by
     more than DRIFT_LIMIT, or the fitted model misses one timing by more than MISFIT_LIMIT) is
     taken again, up to `attempts` (ENGINE_ATTEMPTS) in all, and the steadiest one kept: on a VM
     the host's speed moves in phases of tens of seconds (docs/layerplan.md), so a second
@@ -466,7 +477,7 @@ def _measure_engine_once(path, calibration, threads: int | None):
                                 f"{batch * 1e3:.2f} ms and {batch_long * 1e3:.2f} ms for {t.batch} sequences; "
                                 for name, short, long, batch, batch_long in t.kv_types)
                       + f"the model reproduces these within {worst:.1%} (worst: {worst_name})"
-                      + (f"; the first timing, retaken last, moved by {drift:.1%}" if drift is not None else "")),
+                      + (f"; the first timing's last round moved from its first by {drift:.1%}" if drift is not None else "")),
         backend="engine", engine_key=engine_key(path),
     ), moved and not calibration.suspect and all_quiet
 

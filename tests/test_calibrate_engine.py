@@ -112,9 +112,9 @@ def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsy
 
 
 def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_gguf, monkeypatch, capsys):
-    """The first timing is taken again last; moved by more than DRIFT_LIMIT (other tenants of a
-    virtual machine's host: our own CPU shows no other work), the calibration is suspect, is not
-    saved, and says why; within it, the faster of the two timings counts."""
+    """The first timing's last round moved from its first by more than DRIFT_LIMIT (other tenants
+    of a virtual machine's host: our own CPU shows no other work): the calibration is suspect, is
+    not saved, and says why."""
     monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
     monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 1)
     monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 1)
@@ -133,7 +133,7 @@ def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_ggu
         tuned = measure_engine(tiny_gguf("Q4_0", n_layers=3), base, threads=1)
         assert (tuned.suspect, tuned.drift, tuned.engine_reference_s) == (suspect, moved, timings.decode_short_s)
         assert tuned.engine_reference_long_s == timings.decode_long_s
-        assert f"moved by {moved:.1%}" in tuned.engine_model
+        assert f"moved from its first by {moved:.1%}" in tuned.engine_model
     assert "the machine's speed moved by 30%" in tuned.suspect_reason
     assert calibrate.save(tuned) is None
     assert calibrate.Calibration(fingerprint="x", host_bandwidth=1, host_flops=1, host_matmul_overhead_s=0,
@@ -224,47 +224,47 @@ def test_rounds_taken_between_other_work_give_what_best_quiet_gives(fake_quiet):
     assert rounds.result() == ((2.0, 5.0), 0.1, True)
 
 
-def _steps_taken(tiny_gguf, monkeypatch, room: bool) -> str:
-    """The order in which measure_timings took its timings on a tiny model: P a round of the
-    prompt timings, D a decode timing's steps."""
+def test_a_timing_moved_by_its_first_quiet_round_against_its_last(fake_quiet):
+    fake_quiet.cores_seen = [0.0, 0.9, 0.0, 0.0]
+    values = iter([(10.0, 1.0), (50.0, 1.0), (11.0, 1.0), (12.5, 2.0)])
+    rounds = calibrate_engine.Rounds(lambda i: next(values), repeats=3, typical=True)
+    rounds.round()
+    assert rounds.moved() == 0.0       # one round: nothing to compare
+    assert rounds.result() == ((11.0, 1.0), 0.0, True)   # the busy round left out
+    assert rounds.moved(0) == 0.25 and rounds.moved(1) == 1.0
+
+
+def _rounds_taken(tiny_gguf, monkeypatch, room: bool) -> str:
+    """The order in which measure_timings took its timings' rounds on a tiny model: one letter per
+    round, a letter per timing in the order of their first rounds (A the 4-sequence decode, B the
+    prompt timings)."""
     monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
-    monkeypatch.setattr(quiet.OtherCPU, "cores", lambda self: 0.0)    # every round quiet: 3 of them
-    monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 1)
+    monkeypatch.setattr(quiet.OtherCPU, "cores", lambda self: 0.0)    # every round quiet
+    monkeypatch.setattr(calibrate_engine, "DECODE_REPEATS", 2)
     monkeypatch.setattr(calibrate_engine, "PREFILL_REPEATS", 3)
     monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
-    monkeypatch.setattr(calibrate_engine, "_room_for_another", lambda engine_bytes: room)
-    order, prompt_rounds = [], []
-    run, take_round, prefill = calibrate_engine._Engine.run, calibrate_engine.Rounds.round, calibrate_engine._Engine.prefill
-
-    def logged_run(self, prompts, max_tokens=calibrate_engine.DECODE_STEPS):
-        if max_tokens == calibrate_engine.DECODE_STEPS:
-            order.append("D")
-        return run(self, prompts, max_tokens)
+    monkeypatch.setattr(calibrate_engine, "_room_for", lambda n_engines, engine_bytes: room)
+    order, letters = [], {}
+    take_round = calibrate_engine.Rounds.round
 
     def logged_round(self):
         taken = len(self.samples)
         take_round(self)
-        if len(self.samples) > taken and self in prompt_rounds:
-            order.append("P")
-
-    def kept_prefill(self, *args):
-        prompt_rounds.append(prefill(self, *args))
-        return prompt_rounds[-1]
-    monkeypatch.setattr(calibrate_engine._Engine, "run", logged_run)
-    monkeypatch.setattr(calibrate_engine._Engine, "prefill", kept_prefill)
+        if len(self.samples) > taken:
+            order.append(letters.setdefault(id(self), "ABCDEFGHIJ"[len(letters)]))
     monkeypatch.setattr(calibrate_engine.Rounds, "round", logged_round)
     calibrate_engine.measure_timings(tiny_gguf("Q4_0", n_layers=3), 1)
     return "".join(order)
 
 
-def test_the_prompt_timings_are_spread_over_the_calibration(tiny_gguf, monkeypatch):
-    steps = _steps_taken(tiny_gguf, monkeypatch, room=True)
-    assert steps.count("P") == 3 and not steps.startswith("P") and not steps.endswith("PPP")
-    first, last = steps.index("P"), steps.rindex("P")
-    assert "D" in steps[first:last]    # decode timings between the prompt rounds
+def test_every_timing_is_spread_over_the_calibration(tiny_gguf, monkeypatch):
+    rounds = _rounds_taken(tiny_gguf, monkeypatch, room=True)
+    # the 4-sequence decode and the prompt timings, one-sequence decodes shallow and whole, and a
+    # sequence and a batch over each quantized cache: each timing's rounds one after all the others'
+    timings = "ABCDEFGH"
+    assert rounds == timings * 2 + "B"
 
 
-def test_without_memory_for_two_engines_the_prompt_rounds_are_taken_at_once(tiny_gguf, monkeypatch):
-    steps = _steps_taken(tiny_gguf, monkeypatch, room=False)
-    # right after the first engine's own decode timings, before any other engine's
-    assert steps.lstrip("D").startswith("PPP") and steps.count("P") == 3 and not steps.startswith("P")
+def test_without_memory_for_every_engine_they_are_timed_one_at_a_time(tiny_gguf, monkeypatch):
+    rounds = _rounds_taken(tiny_gguf, monkeypatch, room=False)
+    assert rounds == "AA" + "BBB" + "CC" + "DD" + "EE" + "FF" + "GG" + "HH"
