@@ -36,9 +36,8 @@ cached tokens read 1.07-1.16 in four runs, against a calibration whose repeats m
 the benchmark met a slower phase than the calibration's best. A prompt step also varies by itself,
 with the page faults of the weights it unpacks. The JSON has every pass's decode and prefill speed
 and page faults, and the fastest of each (`decode_tok_s_fastest`, `prefill_tok_s_fastest`).
-Memory is read after the first pass. The calibration waits and repeats the same way (a decode
-timing: the fastest of 3 repeats within seconds, so one phase, trimmed of a late step; a prompt
-timing: the median of 6 rounds spread over its minutes).
+Memory is read after the first pass. The calibration waits and repeats the same way (every
+timing the median of 6 rounds spread over its minutes, a decode timing trimmed of late steps).
 
 The passes of the runs are taken in rounds (one pass of each run, then the next round), each run's
 engine loaded once in a worker process of its own and kept: a run's passes then span the

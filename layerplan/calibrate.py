@@ -61,7 +61,7 @@ ENGINE_FILE = "engine-{key}.json"       # and the latest one of each model file 
 SPEED_MODEL_REVISION = 12
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU
-DRIFT_LIMIT = 0.10   # an engine calibration whose first timing moved by more from its first round to its last is suspect
+DRIFT_LIMIT = 0.10   # an engine calibration whose first timing's later rounds moved by more from its first is suspect
 MISFIT_LIMIT = 0.15  # and one whose timings the fitted speed model misses by more: one of them met a slower
                      # host (on a 2-core Zen 3 VM an int8 engine's short-fill step took 11.0 ms where float16's
                      # took 7.5 in the same calibration, drift 9.5%: the worst timing missed by 26%; quiet

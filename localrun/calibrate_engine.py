@@ -37,8 +37,8 @@ speed in phases of tens of seconds to minutes (the fastest of each 10 s of a fix
 apart over 5 minutes, of each 60 s 1.13x), and repeats within seconds measured one phase. The
 median, not the fastest: the fastest of six rounds is the calibration's luckiest moment, and a
 benchmark minutes later in a slower phase read 0.85-0.88 of it where the median read within
-0.9-1.1 in 5 of 6 runs (docs/layerplan.md, 2026-12-05). The first timing's first round against
-its last says how far the host moved across the calibration; one that moved by more than
+0.9-1.1 in 5 of 6 runs (docs/layerplan.md, 2026-12-05). The first timing's first half of rounds
+against its second says how far the host moved across the calibration; one that moved by more than
 layerplan.calibrate.DRIFT_LIMIT is suspect, as is one whose timings the fitted speed model misses
 by more than MISFIT_LIMIT (a slower phase of the host that met some timings and not others). A
 prompt step also varies by itself, with the fresh pages the allocator takes for the unpacked
@@ -169,10 +169,14 @@ class Rounds:
         return values, max(others) if others else None, all(s[2] for s in pool)
 
     def moved(self, k: int = 0) -> float:
-        """How far value k moved from the first round that counts to the last: the slower of the
-        two over the faster, less one (0.0 with one round)."""
-        pool = [s for s in self.samples if s[2]] or self.samples
-        first, last = pool[0][0][k], pool[-1][0][k]
+        """How far value k moved from the first half of the rounds that count to the second: the
+        slower of the two halves' medians over the faster, less one (0.0 with one round). A move
+        of the host's speed that lasted, not one round that met a short phase."""
+        pool = [s[0][k] for s in self.samples if s[2]] or [s[0][k] for s in self.samples]
+        half = len(pool) // 2
+        if not half:
+            return 0.0
+        first, last = statistics.median(pool[:half]), statistics.median(pool[-half:])
         return max(first, last) / min(first, last) - 1.0
 
 
@@ -233,7 +237,7 @@ def measure_timings(path, threads: int | None = None):
     """The engine timings layerplan.engine_fit needs, for the model at `path`, and the quiet
     record: (EngineTimings, kv_type, others' cores at worst among the timings used, all quiet,
     drift). drift: how far the first timing (one sequence's decode step at the short fill) moved
-    from its first round to its last (Rounds.moved). On a
+    from the first half of its rounds to the second (Rounds.moved). On a
     virtual machine the host's other tenants move its speed while our own CPU shows no other
     work: on a 2-core Zen 3 VM a decode step took 6.7-9.1 ms within minutes with steal at 0.1%
     (docs/layerplan.md), and a calibration taken across such a move is not this machine's."""
@@ -306,7 +310,7 @@ def measure_timings(path, threads: int | None = None):
     (shallow_s,) = timed("shallow")
     by_fill = dict(zip(fills, timed("single")))
     short_s, long_s = by_fill[SHORT_FILL], by_fill[long_fill]
-    # the first timing's first round against its last: how far the machine's speed moved meanwhile
+    # the first timing's first rounds against its last: how far the machine's speed moved meanwhile
     drift = rounds["single"].moved(fills.index(SHORT_FILL))
     other_kv = [(name, *timed(f"{name} one"), *timed(f"{name} batch"))
                 for name in OTHER_KV_TYPES if f"{name} one" in rounds]
@@ -399,8 +403,8 @@ def measure_engine(path, calibration, threads: int | None = None, attempts: int 
     """`calibration` (layerplan.calibrate.Calibration of this host) with the engine's own figures
     for the model at `path`, fitted through the speed model (layerplan.engine_fit).
 
-    A calibration across which the host's speed moved (its first timing's last round moved from its first by
-    more than DRIFT_LIMIT, or the fitted model misses one timing by more than MISFIT_LIMIT) is
+    A calibration across which the host's speed moved (its first timing's later rounds moved from
+    its first by more than DRIFT_LIMIT, or the fitted model misses one timing by more than MISFIT_LIMIT) is
     taken again, up to `attempts` (ENGINE_ATTEMPTS) in all, and the steadiest one kept: on a VM
     the host's speed moves in phases of tens of seconds (docs/layerplan.md), so a second
     calibration often meets one phase throughout where the first met two. One that is suspect
@@ -477,7 +481,8 @@ def _measure_engine_once(path, calibration, threads: int | None):
                                 f"{batch * 1e3:.2f} ms and {batch_long * 1e3:.2f} ms for {t.batch} sequences; "
                                 for name, short, long, batch, batch_long in t.kv_types)
                       + f"the model reproduces these within {worst:.1%} (worst: {worst_name})"
-                      + (f"; the first timing's last round moved from its first by {drift:.1%}" if drift is not None else "")),
+                      + (f"; the first timing's later rounds moved from its first by {drift:.1%}"
+                         if drift is not None else "")),
         backend="engine", engine_key=engine_key(path),
     ), moved and not calibration.suspect and all_quiet
 

@@ -112,7 +112,7 @@ def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsy
 
 
 def test_a_calibration_across_a_change_of_the_machines_speed_is_suspect(tiny_gguf, monkeypatch, capsys):
-    """The first timing's last round moved from its first by more than DRIFT_LIMIT (other tenants
+    """The first timing's later rounds moved from its first by more than DRIFT_LIMIT (other tenants
     of a virtual machine's host: our own CPU shows no other work): the calibration is suspect, is
     not saved, and says why."""
     monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
@@ -224,14 +224,15 @@ def test_rounds_taken_between_other_work_give_what_best_quiet_gives(fake_quiet):
     assert rounds.result() == ((2.0, 5.0), 0.1, True)
 
 
-def test_a_timing_moved_by_its_first_quiet_round_against_its_last(fake_quiet):
-    fake_quiet.cores_seen = [0.0, 0.9, 0.0, 0.0]
-    values = iter([(10.0, 1.0), (50.0, 1.0), (11.0, 1.0), (12.5, 2.0)])
-    rounds = calibrate_engine.Rounds(lambda i: next(values), repeats=3, typical=True)
+def test_a_timing_moved_by_its_first_quiet_rounds_against_its_last(fake_quiet):
+    fake_quiet.cores_seen = [0.0, 0.9, 0.0, 0.0, 0.0, 0.0]
+    values = iter([(10.0, 1.0), (50.0, 1.0), (11.0, 1.0), (30.0, 4.0), (12.5, 2.0), (13.0, 2.0)])
+    rounds = calibrate_engine.Rounds(lambda i: next(values), repeats=5, typical=True)
     rounds.round()
     assert rounds.moved() == 0.0       # one round: nothing to compare
-    assert rounds.result() == ((11.0, 1.0), 0.0, True)   # the busy round left out
-    assert rounds.moved(0) == 0.25 and rounds.moved(1) == 1.0
+    assert rounds.result() == ((12.5, 2.0), 0.0, True)   # the busy round left out
+    # quiet rounds 10, 11, 30, 12.5, 13: the first two's median (10.5) against the last two's (12.75)
+    assert rounds.moved(0) == 12.75 / 10.5 - 1 and rounds.moved(1) == 1.0
 
 
 def _rounds_taken(tiny_gguf, monkeypatch, room: bool) -> str:
