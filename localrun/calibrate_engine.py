@@ -210,9 +210,13 @@ class _Engine:
 
     def decode(self, n_seqs: int, *fills: int) -> Rounds:
         """Rounds of the seconds per decode step of n_seqs sequences after each of `fills` prompt
-        tokens each, the fills timed in turn within each round (the prompts are the same every
-        round: their blocks come from the prefix cache where the engine's pool still holds them)."""
-        prompts = [[synthetic_prompt(fill, self.n_vocab, 100 * fill + i) for i in range(n_seqs)] for fill in fills]
+        tokens each, the fills timed in turn within each round. A sequence's shorter prompts are
+        the first tokens of its longest, and every round's the first round's: from the second
+        round on they come from the prefix cache (where the pool keeps them), so a round costs
+        its decode steps and not the prompts again. The median step is the same either way:
+        after a prefix-cache hit over a fresh prompt 0.978-1.011 (16 alternated rounds in one
+        process, SmolLM2 and gemma-3-270m at 32 and 2048 cached, 2 Zen 4 threads, 2026-12-05)."""
+        prompts = [[synthetic_prompt(fill, self.n_vocab, i) for i in range(n_seqs)] for fill in fills]
         return Rounds(lambda _: tuple(decode_step_seconds(self.run(p), n_seqs) for p in prompts), DECODE_REPEATS,
                       typical=True)
 

@@ -235,6 +235,32 @@ def test_a_timing_moved_by_its_first_quiet_rounds_against_its_last(fake_quiet):
     assert rounds.moved(0) == 12.75 / 10.5 - 1 and rounds.moved(1) == 1.0
 
 
+def test_decode_rounds_after_the_first_take_their_prompts_from_the_prefix_cache(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(quiet, "wait_until_quiet", lambda *a, **k: 0.0)
+    monkeypatch.setattr(calibrate_engine, "DECODE_STEPS", 6)
+    computed = []      # prompt tokens computed by each run
+
+    def logged(self, prompts, max_tokens=6):
+        steps = run(self, prompts, max_tokens)
+        computed.append(sum(s.prompt_tokens for s in steps))
+        return steps
+    run = calibrate_engine._Engine.run
+    monkeypatch.setattr(calibrate_engine._Engine, "run", logged)
+    for n_seqs in (1, 2):
+        engine = calibrate_engine._Engine(tiny_gguf("Q4_0", n_layers=3), None, 96 + 6 + 16, n_seqs, 1)
+        rounds = engine.decode(n_seqs, 32, 96)
+        computed.clear()
+        rounds.round()
+        first = computed[:]
+        rounds.round()
+        rounds.round()
+        # the first round computes the long prompts past the short ones' blocks; later rounds at
+        # most a block of each prompt (the engine recomputes a fully cached prompt's last token)
+        assert first == [32 * n_seqs, (96 - 32) * n_seqs]
+        assert all(0 < c <= 16 * n_seqs for c in computed[2:]), computed
+        assert all(v > 0 for v in rounds.result()[0])
+
+
 def _rounds_taken(tiny_gguf, monkeypatch, room: bool) -> str:
     """The order in which measure_timings took its timings' rounds on a tiny model: one letter per
     round, a letter per timing in the order of their first rounds (A the 4-sequence decode, B the
