@@ -102,6 +102,8 @@ def plan(
             calibration = calibrate.measure(local, dtype=dtype, threads=threads)
             if profile.path and not profile.is_moe and threads is not None:  # the engine runs it: time the engine
                 from localrun.calibrate_engine import measure_engine
+                typer.echo(f"timing localrun's engine on {profile.name}: a few minutes (each timing is taken in rounds "
+                           "spread over them, as the host's speed moves)", err=True)
                 calibration = measure_engine(profile.path, calibration, threads, say=lambda line: typer.echo(line, err=True))
             saved = calibrate.save(calibration)
             where = (f"saved to {saved}" if saved else f"NOT saved: {calibration.suspect_reason}; "
