@@ -57,7 +57,7 @@ ENGINE_FILE = "engine-{key}.json"       # and the latest one of each model file 
 # must not be read as 10's; 11: the small ops of a batched step on both threads and q/k/v read in
 # place by the attention kernel, a 4-row decode step ~0.5 ms less, 16 rows ~1.5-2 ms; 12: every engine
 # timing the median of rounds spread over the calibration, where decode timings were the fastest of
-# repeats back to back).
+# repeats back to back; an int8 or fp8 cache's rates fitted to its long steps themselves).
 SPEED_MODEL_REVISION = 12
 QUIET_LOAD = 0.5     # runnable tasks besides ours (1-minute load average) below which a machine is quiet
 QUIET_WAIT_S = 60.0  # the longest measuring waits for other processes to leave the CPU

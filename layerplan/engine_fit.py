@@ -28,8 +28,9 @@ before it (bisection on the model, which is monotone in each):
 Last, for each other KV type the engine was timed with (one sequence and `batch` sequences, each
 at the short and the long fill, over an int8 or fp8 cache), the rates of decode attention over
 that type for one row and for the batch (`_fit_kv_types`): its bytes read as the calibration's own
-type's do, so what its long fill costs beyond them is the kernel's widening and scaling of each
-value.
+type's do, so what its long step costs beyond the model's is put on the kernel's widening and
+scaling of each value (with a quantized cache's fixed cost per step, which the rates fold in at
+the long fill).
 
 The prompt figures act together in every prompt step, so they are solved together, by damped
 Newton steps on the logarithms of the figures and of the timings (`_solve_logs`, least squares);
@@ -349,22 +350,26 @@ def _fit_kv_batch(m: _Model, h: Device, t: EngineTimings) -> Device:
 
 def _fit_kv_types(profile: ModelProfile, h: Device, t: EngineTimings) -> Device:
     """kv_decode_flops: for each other KV type timed, the rates of decode attention over such a cache
-    that make its long fill cost what it did over its short fill, first for one sequence, then for
+    that make the model's step at its long fill what it measured, first for one sequence, then for
     the batch (with one's in place), every other figure as fitted on the calibration's own type
-    (the same caches and bandwidth for its bytes). A fill that cost no more than reading its bytes
-    (the roofline's other side) gives UNSEEN_RATE for those rows (their flops never bind), and a
-    type where both did, no rates of its own. One row's long fill can cost nothing to see while
-    the batch's costs plenty (2 Zen 4 cores, int8: 8.47 -> 9.68 ms for one row, 11.26 -> 20.92 for
-    four): the batch keeps its rate then, which the calibration missed by 36% when it was dropped."""
+    (the same caches and bandwidth for its bytes). The step itself, not its long fill's cost over
+    its short one: such a cache's steps cost more than the calibration's own type's already at the
+    short fill (2 Zen 4 cores, SmolLM2, 4 rows at 44 cached: int8 10.35 ms, fp8 9.82, float16
+    8.63), which a fit of the difference left out, missing the int8 batch's long step by 10-13% in
+    three calibrations of four (docs/layerplan.md, 2026-12-05, later). A step that cost no more
+    than reading its bytes (the roofline's other side) gives UNSEEN_RATE for those rows (their
+    flops never bind), and a type where both did, no rates of its own. One row's long fill can
+    cost nothing to see while the batch's costs plenty (2 Zen 4 cores, int8: 8.47 -> 9.68 ms for
+    one row, 11.26 -> 20.92 for four): the batch keeps its rate then, which the calibration missed
+    by 36% when it was dropped."""
     rates = []
-    for name, short_s, long_s, batch_s, batch_long_s in t.kv_types:
+    for name, _, long_s, _, batch_long_s in t.kv_types:
         m = _Model(profile, name)
 
-        def fill_cost(one: float, batch: float, rows: int) -> float:
-            x = replace(h, kv_decode_flops=((m.kv_name, one, batch, t.batch),))
-            return m.decode(x, rows, t.fill_long) - m.decode(x, rows, t.fill_short)
-        one = _solve_rate(lambda r: fill_cost(r, 0.0, 1), long_s - short_s, 0.0) or UNSEEN_RATE
-        batch = (_solve_rate(lambda r: fill_cost(one, r, t.batch), batch_long_s - batch_s, UNSEEN_RATE)
+        def long_step(one: float, batch: float, rows: int) -> float:
+            return m.decode(replace(h, kv_decode_flops=((m.kv_name, one, batch, t.batch),)), rows, t.fill_long)
+        one = _solve_rate(lambda r: long_step(r, 0.0, 1), long_s, 0.0) or UNSEEN_RATE
+        batch = (_solve_rate(lambda r: long_step(one, r, t.batch), batch_long_s, UNSEEN_RATE)
                  if t.batch > 1 else 0.0)
         if one == UNSEEN_RATE and batch in (UNSEEN_RATE, 0.0):
             continue

@@ -268,8 +268,9 @@ def test_another_cache_types_decode_rates_come_from_its_own_fills():
     (its 1040-token fill bound by the flops: its 3.4 MB of bytes barely pass the 3 MB the caches
     keep) give those rates back, the calibration's own figures unchanged, and reproduce its long
     fills; an fp8 cache timed at the plain attention rate gets that rate for one row, and for 4
-    (bound by their bytes) a rate that never binds. Timings whose long fill costs less than the
-    bytes alone give no rate for the type."""
+    (bound by their bytes) a rate that never binds. Long steps that cost no more than the model
+    makes them with no rate binding (the bytes alone) give no rate for the type. Steps dearer by
+    a fixed cost at every fill (a quantized cache's writes) still have their long steps reproduced."""
     profile = _toy()
     truth = replace(TRUE_HOST, kv_decode_flops=(("q8_0", 20e9, 50e9, 4),))
     q8, fp8 = _Model(profile, "int8"), _Model(profile, "fp8")
@@ -287,16 +288,23 @@ def test_another_cache_types_decode_rates_come_from_its_own_fills():
     for key in ("decode_long_int8", "decode_batch_long_int8", "decode_long_fp8", "decode_batch_long_fp8"):
         assert r[key] == pytest.approx(1.0, rel=1e-6), key
     short_one, short_batch = t.kv_types[0][1], t.kv_types[0][3]
-    free = replace(t, kv_types=(("int8", short_one, short_one, short_batch, short_batch),))
+    bytes_only = replace(TRUE_HOST, kv_decode_flops=(("q8_0", engine_fit.UNSEEN_RATE, engine_fit.UNSEEN_RATE, 4),))
+    free_one, free_batch = (0.999 * q8.decode(bytes_only, rows, 1040.0) for rows in (1, 4))
+    free = replace(t, kv_types=(("int8", short_one, free_one, short_batch, free_batch),))
     assert fit_host(profile, TRUE_HOST, "f16", free).kv_decode_flops == ()
-    unseen = replace(t, kv_types=(("int8", *t.kv_types[0][1:4], short_batch),))   # the batch's flops never show
+    unseen = replace(t, kv_types=(("int8", *t.kv_types[0][1:4], free_batch),))   # the batch's flops never show
     assert fit_host(profile, TRUE_HOST, "f16", unseen).kv_decode_flops[0][2] == engine_fit.UNSEEN_RATE
     # one row's long fill free, the batch's dear: one row never binds, the batch keeps its rate
-    one_free = replace(t, kv_types=(("int8", short_one, short_one, *t.kv_types[0][3:5]),))
+    one_free = replace(t, kv_types=(("int8", short_one, free_one, *t.kv_types[0][3:5]),))
     kept = fit_host(profile, TRUE_HOST, "f16", one_free)
     (name, one, batch, rows), = kept.kv_decode_flops
     assert (name, one, rows) == ("q8_0", engine_fit.UNSEEN_RATE, 4) and 1e9 < batch < 1e12
     assert residuals(profile, kept, "f16", one_free)["decode_batch_long_int8"] == pytest.approx(1.0, rel=1e-6)
+    # every int8 step 1 ms dearer than the model's, short and long: the long steps still reproduced
+    # (their fill's cost over the short step is the same; fitting that difference missed them by the ms)
+    dear = replace(t, kv_types=(("int8", *(s + 1e-3 for s in t.kv_types[0][1:5])),))
+    r = residuals(profile, fit_host(profile, TRUE_HOST, "f16", dear), "f16", dear)
+    assert r["decode_long_int8"] == pytest.approx(1.0, rel=1e-6) and r["decode_batch_long_int8"] == pytest.approx(1.0, rel=1e-6)
 
 
 def test_the_knee_is_the_least_squares_one_by_hand():
