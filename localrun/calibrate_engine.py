@@ -354,10 +354,11 @@ def _long_fill(profile) -> tuple[int, int]:
 def reference_step_seconds(path, threads: int | None = None) -> tuple[float, float]:
     """The engine calibration's first two timings, taken afresh: one sequence's decode step at the
     short and at the long fill through all layers, on an engine built for one (the median of
-    DECODE_REPEATS quiet repeats, taken one after the other). Against the calibration's own (Calibration.engine_reference_s,
-    engine_reference_long_s) they say how far the machine's speed has moved since, which a VM's
-    host can do by a third within minutes: the short step mostly computes, the long one mostly
-    reads the KV cache from memory, and the host's other tenants move the two apart."""
+    DECODE_REPEATS quiet repeats, taken one after the other). Against the calibration's own
+    (Calibration.engine_reference_s, engine_reference_long_s) they say how far the machine's speed
+    has moved since, which a VM's host can do by a third within minutes: the short step mostly
+    computes, the long one mostly reads the KV cache from memory, and the host's other tenants
+    move the two apart."""
     import layerplan
     _, long_fill = _long_fill(layerplan.profile_gguf(path))
     return _Engine(path, None, long_fill + DECODE_STEPS + 16, 1, threads).decode(1, SHORT_FILL, long_fill).result()[0]
@@ -408,10 +409,10 @@ def measure_engine(path, calibration, threads: int | None = None, attempts: int 
     for the model at `path`, fitted through the speed model (layerplan.engine_fit).
 
     A calibration across which the host's speed moved (its first timing's later rounds moved from
-    its first by more than DRIFT_LIMIT, or the fitted model misses one timing by more than MISFIT_LIMIT) is
-    taken again, up to `attempts` (ENGINE_ATTEMPTS) in all, and the steadiest one kept: on a VM
-    the host's speed moves in phases of tens of seconds (docs/layerplan.md), so a second
-    calibration often meets one phase throughout where the first met two. One that is suspect
+    its first by more than DRIFT_LIMIT, or the fitted model misses one timing by more than
+    MISFIT_LIMIT) is taken again, up to `attempts` (ENGINE_ATTEMPTS) in all, and the steadiest one
+    kept: on a VM the host's speed moves in phases of tens of seconds (docs/layerplan.md), so a
+    second calibration often meets one phase throughout where the first met two. One that is suspect
     for other work on the CPU is not retaken (that work is still there). say(line), if given,
     hears why each retake happens."""
     from layerplan.calibrate import DRIFT_LIMIT, MISFIT_LIMIT
