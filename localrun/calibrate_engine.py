@@ -162,6 +162,7 @@ class Rounds:
     def result(self) -> tuple[tuple[float, ...], float | None, bool]:
         while not self.done():
             self.round()
+        self.take = None     # done: what take holds (an engine) can go
         pool = [s for s in self.samples if s[2]] or self.samples
         pick = statistics.median if self.typical else min
         values = tuple(pick(s[0][k] for s in pool) for k in range(len(pool[0][0])))

@@ -261,6 +261,25 @@ def test_decode_rounds_after_the_first_take_their_prompts_from_the_prefix_cache(
         assert all(v > 0 for v in rounds.result()[0])
 
 
+def test_a_finished_timing_lets_its_engine_go(fake_quiet):
+    """The low-memory path builds one engine at a time and deletes it after its rounds: the
+    Rounds kept for the result must not hold it alive through `take`."""
+    import gc
+    import weakref
+
+    class Engine:
+        def step(self, i):
+            return (1.0,)
+    fake_quiet.cores_seen = [0.0, 0.0]
+    engine = Engine()
+    rounds = calibrate_engine.Rounds(engine.step, repeats=2)
+    gone = weakref.ref(engine)
+    del engine
+    assert rounds.result() == ((1.0,), 0.0, True)
+    gc.collect()
+    assert gone() is None and rounds.result() == ((1.0,), 0.0, True) and rounds.moved() == 0.0
+
+
 def _rounds_taken(tiny_gguf, monkeypatch, room: bool) -> str:
     """The order in which measure_timings took its timings' rounds on a tiny model: one letter per
     round, a letter per timing in the order of their first rounds (A the 4-sequence decode, B the
