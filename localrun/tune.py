@@ -1,16 +1,18 @@
 """`localrun tune`: a short measured sweep on this machine, and the model's default profile.
 
 For each GPU-layer count (only 0 without a GPU), each thread count and each prefill chunk
-size, it times a prompt's prefill and a few decode steps on the model itself (the reference
-`SequenceRunner`, no scheduler), next to what layerplan predicts for that placement. The
-best settings (decode speed first, then prefill) are stored as the model's profile under
+size, it runs a prompt and a few decode steps through the engine that chat and serve run
+(`LLMEngine`, the chunk as its step token budget), next to what layerplan predicts for that
+setting with this machine's calibration of the model's engine (`localrun plan MODEL --measure`).
+A calibration is taken at one thread count, so only the rows of that count get a prediction.
+The best settings (decode speed first, then prefill) are stored as the model's profile under
 $LOCALRUN_HOME/profiles/, and `load_profile(model_path)` gives them back to chat and serve
 as their defaults.
 """
 from __future__ import annotations
 
 import json
-import time
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +20,8 @@ from pathlib import Path
 from localrun.models import localrun_home
 
 PROFILE_VERSION = 1
+ROUNDS = 3              # runs of the prompt per setting, the median counting
+HOST_CHECK_CTX = 64     # positions Forecast.check_host's engine needs (calibrate_engine.SHORT_FILL + its steps)
 
 
 @dataclass(frozen=True)
@@ -65,61 +69,107 @@ def best_row(rows: list[TuneRow]) -> TuneRow:
     return max((r for r in rows if r.decode_tok_s >= 0.97 * top), key=lambda r: r.prefill_tok_s)
 
 
-def predicted(model_path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int) -> tuple[float | None, float | None]:
-    """layerplan's (prefill, decode) tok/s for this placement, with this machine's calibration
-    (`localrun plan MODEL --measure` calibrates it with the engine's own layers)."""
-    try:
+class Forecast:
+    """layerplan's (prefill, decode) tok/s for one sequence of this machine's calibrated engine,
+    per GPU-layer count and chunk; None where there is no calibration of this machine, or the
+    thread count is not the one it was taken at (its figures are that many threads' speed)."""
+
+    def __init__(self, model_path, n_ctx: int, prompt_tokens: int, gen_tokens: int):
+        self.model_path, self.n_ctx, self.prompt_tokens, self.gen_tokens = model_path, n_ctx, prompt_tokens, gen_tokens
+        self.host_speed: float | None = None     # check_host's figure
+        try:
+            import layerplan
+            from layerplan import calibrate
+            from localrun.calibrate_engine import engine_profile
+            local = layerplan.build_machine()
+            self.calibration = calibrate.load(local, model=model_path)
+            self.machine = layerplan.build_machine(calibration=self.calibration)
+            self.profile = engine_profile(model_path)
+        except (ValueError, OSError):
+            self.calibration = None
+
+    @property
+    def threads(self) -> int | None:
+        """The thread count the calibration was taken at (None: no calibration here)."""
+        if self.calibration is None:
+            return None
+        return self.calibration.threads or None
+
+    def check_host(self, model) -> None:
+        """Time the calibration's first timing again (one sequence's decode step after SHORT_FILL
+        prompt tokens) on `model`, at the calibration's thread count (the caller's torch threads):
+        `host_speed` is then the calibration's step over today's (below 1: this machine runs
+        slower now than when it was calibrated, and the predictions are high by about that)."""
+        self.host_speed = None
+        reference = self.calibration.engine_reference_s if self.calibration is not None else None
+        if not reference:
+            return
+        from localrun.calibrate_engine import DECODE_STEPS, SHORT_FILL, decode_step_seconds, synthetic_prompt, timed_steps
+        assert SHORT_FILL + DECODE_STEPS + 8 <= HOST_CHECK_CTX
+        from localrun.engine.llm_engine import LLMEngine
+        from localrun.sampling_params import SamplingParams
+        engine = LLMEngine(model, max_model_len=HOST_CHECK_CTX, max_num_seqs=1, enable_prefix_caching=False)
+        params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0, ignore_eos=True)
+        prompt = synthetic_prompt(SHORT_FILL, model.config.n_vocab, 0)
+        timed_steps(engine, [prompt], params)                                   # warm
+        steps = [decode_step_seconds(timed_steps(engine, [prompt], params)[0], 1) for _ in range(ROUNDS)]
+        self.host_speed = reference / statistics.median(steps)
+
+    def __call__(self, n_gpu_layers: int, n_threads: int, chunk: int) -> tuple[float | None, float | None]:
+        if self.threads is None or n_threads != self.threads:
+            return None, None
         import layerplan
-        from layerplan import calibrate
-        from localrun.calibrate_engine import engine_profile
-        local = layerplan.build_machine()
-        machine = layerplan.build_machine(calibration=calibrate.load(local, model=model_path))
-        plan = layerplan.plan(engine_profile(model_path), machine, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers,
-                              prompt_tokens=prompt_tokens, with_sweep=False)
-        return plan.predicted.prefill_tok_s, plan.predicted.decode_tok_s
-    except (ValueError, OSError):
-        return None, None
+        plan = layerplan.plan(self.profile, self.machine, n_ctx=self.n_ctx, n_gpu_layers=n_gpu_layers,
+                              prompt_tokens=self.prompt_tokens, with_sweep=False, n_ubatch=chunk)
+        speed = layerplan.predict(self.profile, self.machine, plan.placement, plan.settings,
+                                  prompt_tokens=self.prompt_tokens,
+                                  decode_context=self.prompt_tokens + self.gen_tokens // 2)   # the median step's cache
+        return speed.prefill_tok_s, speed.decode_tok_s
 
 
 def sweep(model_path, *, threads: list[int], chunks: list[int], gpu_layers: list[int], prompt_tokens: int = 256,
-          gen_tokens: int = 16, on_step: Callable[[str], None] = lambda _: None) -> Iterator[TuneRow]:
-    """Measure every (gpu layers, threads, chunk); yields rows as they are measured. Decode is
-    timed once per (gpu layers, threads): the chunk size does not touch it."""
+          gen_tokens: int = 16, on_step: Callable[[str], None] = lambda _: None,
+          forecast: Forecast | None = None) -> Iterator[TuneRow]:
+    """Measure every (gpu layers, threads, chunk) through the engine: prefill tok/s of the prompt's
+    steps, and the median decode step. The chunk does not touch decode, so a thread count's rows
+    all carry the median of its runs' decode steps; they are yielded once its chunks are done. Each
+    figure is the median of ROUNDS runs, the chunks taken in turn."""
     import torch
 
     from localrun.api import LLM
+    from localrun.calibrate_engine import decode_step_seconds, prefill_seconds, timed_steps
+    from localrun.engine.llm_engine import LLMEngine
+    from localrun.sampling_params import SamplingParams
     n_ctx = prompt_tokens + gen_tokens + 8
+    forecast = forecast or Forecast(model_path, n_ctx, prompt_tokens, gen_tokens)
+    params = SamplingParams(max_tokens=gen_tokens + 1, temperature=0, ignore_eos=True)
     for n_gpu_layers in gpu_layers:
         on_step(f"loading with {n_gpu_layers} GPU layers")
-        llm = LLM(model_path, n_ctx=n_ctx, n_threads=max(threads), n_gpu_layers=n_gpu_layers)
+        llm = LLM(model_path, n_ctx=max(n_ctx, HOST_CHECK_CTX), n_threads=max(threads), n_gpu_layers=n_gpu_layers)
         ids = (llm.tokenize("The history of the city is long. " * (prompt_tokens // 4)))[:prompt_tokens]
-        pred_prefill, pred_decode = predicted(model_path, n_gpu_layers, n_ctx, prompt_tokens)
-        runner = llm.runner
         for n_threads in threads:
             torch.set_num_threads(n_threads)
-            runner.cached_ids = []
-            runner.prefill(ids[:32], chunk=32)                      # warm-up
-            on_step(f"decode, {n_threads} threads")
-            decode = _decode_tok_s(runner, ids[:32], gen_tokens)
+            engines = {chunk: LLMEngine(llm.model, max_model_len=n_ctx, max_num_seqs=1, max_num_batched_tokens=chunk,
+                                        enable_prefix_caching=False) for chunk in chunks}
+            prefill, decode = {chunk: [] for chunk in chunks}, []
+            for r in range(ROUNDS):          # rounds over the chunks: a host that speeds up or slows down lands on all
+                for chunk, engine in engines.items():
+                    on_step(f"{n_threads} threads, chunk {chunk} ({r + 1}/{ROUNDS})")
+                    if r == 0:
+                        timed_steps(engine, [ids[:32]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+                    steps, _ = timed_steps(engine, [ids], params)
+                    tokens, seconds = prefill_seconds(steps)
+                    prefill[chunk].append(tokens / seconds)
+                    decode.append(decode_step_seconds(steps, 1))
+            del engines
+            if n_gpu_layers == gpu_layers[0] and n_threads == forecast.threads:
+                on_step("this machine's speed against its calibration")
+                forecast.check_host(llm.model)
+            decode_tok_s = 1.0 / statistics.median(decode)
             for chunk in chunks:
-                on_step(f"prefill, {n_threads} threads, chunk {chunk}")
-                runner.cached_ids = []
-                t0 = time.perf_counter()
-                runner.prefill(ids, chunk=chunk)
-                prefill = len(ids) / (time.perf_counter() - t0)
-                yield TuneRow(n_gpu_layers, n_threads, chunk, prefill, decode, pred_prefill, pred_decode)
-        del llm, runner
-
-
-def _decode_tok_s(runner, prompt: list[int], n: int) -> float:
-    runner.cached_ids = []
-    logits = runner.prefill(prompt)
-    token, position = int(logits.argmax()), len(prompt)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        token = int(runner.forward([token], position)[-1].argmax())
-        position += 1
-    return n / (time.perf_counter() - t0)
+                yield TuneRow(n_gpu_layers, n_threads, chunk, statistics.median(prefill[chunk]), decode_tok_s,
+                              *forecast(n_gpu_layers, n_threads, chunk))
+        del llm
 
 
 def apply_profile(model, n_threads: int | None, options: dict) -> tuple[int | None, dict, bool]:

@@ -61,3 +61,53 @@ def test_apply_profile_fills_only_what_the_user_left_unset(tiny_gguf, tmp_path, 
     assert used and threads == 1 and options == {"n_gpu_layers": 0, "max_num_batched_tokens": 256}
     threads, options, _ = apply_profile(model, 2, {"n_gpu_layers": 3, "max_num_batched_tokens": 64})
     assert threads == 2 and options == {"n_gpu_layers": 3, "max_num_batched_tokens": 64}
+
+
+def test_tune_times_the_engine_chat_and_serve_run(tiny_gguf, tmp_path, monkeypatch):
+    """The rows are engine steps (LLMEngine.step), not the reference runner's forward."""
+    from localrun.engine.llm_engine import LLMEngine
+    from localrun.runner import SequenceRunner
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path))
+    calls = {"engine": 0, "runner": 0}
+    step, forward = LLMEngine.step, SequenceRunner.forward
+
+    def counted_step(self, *a, **k):
+        calls["engine"] += 1
+        return step(self, *a, **k)
+
+    def counted_forward(self, *a, **k):
+        calls["runner"] += 1
+        return forward(self, *a, **k)
+    monkeypatch.setattr(LLMEngine, "step", counted_step)
+    monkeypatch.setattr(SequenceRunner, "forward", counted_forward)
+    rows = list(sweep(tiny_gguf("Q4_0"), threads=[1], chunks=[8, 32], gpu_layers=[0], prompt_tokens=32, gen_tokens=3))
+    assert len(rows) == 2 and calls["runner"] == 0
+    # per round and chunk: the prompt's steps (4 of 8 tokens, or 1 of 32) and 3 decode steps
+    assert calls["engine"] >= 3 * ((4 + 3) + (1 + 3))
+
+
+def test_only_the_calibrated_thread_count_is_predicted(tiny_gguf, tmp_path, monkeypatch):
+    from layerplan import calibrate
+    from localrun.tune import Forecast
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path))
+    path = tiny_gguf("Q4_0")
+    cal = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=1e-5,
+                                backend="engine", threads=1, engine_reference_s=1e-3)
+    monkeypatch.setattr(calibrate, "load", lambda machine, cache_dir=None, model=None: cal)
+    forecast = Forecast(path, 32 + 2 + 8, 32, 2)
+    rows = list(sweep(path, threads=[1, 2], chunks=[8, 32], gpu_layers=[0], prompt_tokens=32, gen_tokens=2,
+                      forecast=forecast))
+    assert forecast.threads == 1
+    predicted = {(r.n_threads, r.chunk): (r.predicted_prefill_tok_s, r.predicted_decode_tok_s) for r in rows}
+    assert predicted[(2, 8)] == predicted[(2, 32)] == (None, None)
+    assert all(v > 0 for v in predicted[(1, 8)] + predicted[(1, 32)])
+    assert predicted[(1, 8)][0] < predicted[(1, 32)][0]       # 4 prompt steps of 8 cost more than one of 32
+    assert forecast.host_speed is not None and forecast.host_speed > 0   # the reference step timed again
+
+
+def test_without_a_calibration_nothing_is_predicted(tiny_gguf, tmp_path, monkeypatch):
+    from layerplan import calibrate
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "load", lambda machine, cache_dir=None, model=None: None)
+    rows = list(sweep(tiny_gguf("Q4_0"), threads=[1], chunks=[16], gpu_layers=[0], prompt_tokens=16, gen_tokens=2))
+    assert [(r.predicted_prefill_tok_s, r.predicted_decode_tok_s) for r in rows] == [(None, None)]

@@ -52,7 +52,7 @@ def tune(
     from localrun.api import default_threads
     from localrun.gguf_file import open_gguf
     from localrun.models import resolve_model
-    from localrun.tune import best_row, save_profile, sweep
+    from localrun.tune import Forecast, best_row, save_profile, sweep
 
     path = resolve_model(model)
     n_layers = open_gguf(path).config.n_layers
@@ -63,12 +63,13 @@ def tune(
         raise UserError("--prompt-tokens must be at least 8 and --gen-tokens at least 1")
     err = Console(stderr=True, highlight=False)
     rows = []
+    forecast = Forecast(path, prompt_tokens + gen_tokens + 8, prompt_tokens, gen_tokens)
     total = len(gpu_list) * len(thread_list) * len(chunk_list)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task("tuning", total=total)
         for row in sweep(path, threads=thread_list, chunks=chunk_list, gpu_layers=gpu_list,
-                         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
+                         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, forecast=forecast,
                          on_step=lambda text: progress.update(task, description=text)):
             rows.append(row)
             progress.advance(task)
@@ -76,7 +77,8 @@ def tune(
     saved = save_profile(path, best, rows, machine=_machine_name()) if save else None
     if json_out:
         typer.echo(json.dumps({"model": str(path), "rows": [r.__dict__ for r in rows], "best": best.__dict__,
-                               "profile": str(saved) if saved else None}))
+                               "profile": str(saved) if saved else None, "calibration_threads": forecast.threads,
+                               "host_speed_vs_calibration": forecast.host_speed}))
         return
     out = Console(highlight=False)
     table = Table("gpu layers", "threads", "chunk", "prefill tok/s", "predicted", "decode tok/s", "predicted",
@@ -87,6 +89,15 @@ def tune(
         table.add_row(str(r.n_gpu_layers), str(r.n_threads), str(r.chunk), fmt(r.prefill_tok_s),
                       fmt(r.predicted_prefill_tok_s), fmt(r.decode_tok_s), fmt(r.predicted_decode_tok_s), style=style)
     out.print(table)
+    if forecast.threads is None:
+        out.print(f"predicted: no calibration of this machine yet (localrun plan {path.name} --measure makes one)")
+    else:
+        out.print(f"predicted: layerplan with this machine's calibration, taken at {forecast.threads} threads "
+                  f"(other thread counts are not predicted)")
+        if forecast.host_speed is not None:
+            out.print(f"this machine now runs the calibration's reference step at {forecast.host_speed:.2f}x its "
+                      f"speed then" + ("; measured over predicted moves with it" if abs(forecast.host_speed - 1) > 0.1
+                                      else ""))
     out.print(f"best: --gpu-layers {best.n_gpu_layers} --threads {best.n_threads}, prefill chunk {best.chunk}"
               + (f"; saved to {saved}" if saved else ""))
 
