@@ -43,7 +43,7 @@ The passes of the runs are taken in rounds (one pass of each run, then the next 
 engine loaded once in a worker process of its own and kept: a run's passes then span the
 benchmark's minutes and not a few seconds, so its figures are the host's over those minutes and
 not whichever phase its seconds met. (All runs' engines are held at once: for a model that
-fills much of the RAM, give one run at a time.)
+fills much of the RAM, --one-at-a-time holds one run's engine at a time, its passes back to back.)
 
 The machine's own speed moves too: on a VM, other tenants of its host change it by up to a third
 within minutes while its own CPU shows no other work. So each run's worker, after its passes, times
@@ -289,6 +289,8 @@ def main() -> None:
                         "decode and prefill count")
     parser.add_argument("--threads", type=int, default=None, help="engine threads, for the calibration and the runs "
                         "(default: the physical cores, as the engine's own default)")
+    parser.add_argument("--one-at-a-time", action="store_true", help="hold one run's engine at a time (its passes "
+                        "back to back, not in rounds with the other runs'): for a model that fills much of the RAM")
     parser.add_argument("--matvec-only", action="store_true", help="calibrate with the micro-benchmarks only, "
                         "not the engine's own layers")
     args = parser.parse_args()
@@ -318,10 +320,13 @@ def main() -> None:
     saved = calibrate.save(calibration) if not args.matvec_only else None
     measure_s = time.perf_counter() - started
 
-    workers = _Workers(path, runs, args.tokens, threads)
-    workers.passes(args.passes)
+    results = []
+    for group in ([[run] for run in runs] if args.one_at_a_time else [runs]):
+        workers = _Workers(path, group, args.tokens, threads)
+        workers.passes(args.passes)
+        results += workers.results()
     rows = []
-    for measured in workers.results():
+    for measured in results:
         predicted = predict(path, measured, calibration)
         rows.append({"measured": measured, "predicted": predicted,
                      "memory_ratio": measured["resident_bytes"] / predicted["resident_bytes"],
@@ -357,7 +362,7 @@ def main() -> None:
     steady = all(r[k] is not None and abs(r[k] - 1) <= HOST_STEADY for r in rows for k in ("host_speed", "host_kv_speed"))
     print(json.dumps({
         "cpu": cpu_info(), "load_1m": round(load, 2),
-        "model": name, "dtype": rows[0]["measured"]["dtype"], "threads": threads,
+        "model": name, "dtype": rows[0]["measured"]["dtype"], "threads": threads, "one_at_a_time": args.one_at_a_time,
         "calibration": {"dtype": c.dtype, "backend": c.backend, "suspect": c.suspect, "drift": c.drift,
                         "misfit": None if c.misfit is None else round(c.misfit, 3),
                         "other_cpu": None if c.other_cpu is None else round(c.other_cpu, 2),
