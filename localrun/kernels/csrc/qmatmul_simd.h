@@ -430,13 +430,24 @@ static inline void group8(const uint8_t* const* rp, int64_t g, __m256i* q, float
     if constexpr (QT == Q5_0 || QT == Q5_1) {       // bit l of qh: the 5th bit of value l
         constexpr int qh_at = QT == Q5_0 ? 2 : 4;
         const __m256i h = words8(rp, at + qh_at);
+        // byte k of step j's word <- bit 4j + k of its row's qh, as 0x10: bits 4j .. 4j + 3 are
+        // nibble j % 2 of byte j / 2, so one shuffle (that byte into all four of its word's) serves
+        // steps 2b and 2b + 1, each testing its own nibble's bits (one per byte)
         const __m256i spread = _mm256_set_epi8(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0,
                                                12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
-        const __m256i bit = _mm256_set1_epi32(0x08040201);
-        for (int j = 0; j < 8; j++) {   // byte k of a word <- bit 4j + k of its row's qh, as 0x10
-            const __m256i nib = _mm256_shuffle_epi8(_mm256_srli_epi32(h, 4 * j), spread);
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(nib, bit), bit);
-            q[j] = _mm256_or_si256(q[j], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        const __m256i bits[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32((int)0x80402010)};
+        const __m256i fifth = _mm256_set1_epi8(0x10);
+        for (int b = 0; b < 4; b++) {
+            const __m256i byte = _mm256_shuffle_epi8(h, _mm256_add_epi8(spread, _mm256_set1_epi8((char)b)));
+            for (int n = 0; n < 2; n++) {
+                const int j = 2 * b + n;
+#ifdef LOCALRUN_VNNI      // AVX-512 BW/VL: a byte mask, and the bit added under it
+                q[j] = _mm256_mask_add_epi8(q[j], _mm256_test_epi8_mask(byte, bits[n]), q[j], fifth);   // bit 4 is clear
+#else
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(byte, bits[n]), bits[n]);
+                q[j] = _mm256_or_si256(q[j], _mm256_and_si256(set, fifth));
+#endif
+            }
         }
     }
     __m256 a, b;
