@@ -49,9 +49,12 @@ FAKES = {
 
 
 def register() -> None:
-    """Register FAKES for the loaded library's ops (a second call does nothing)."""
+    """Register FAKES for the loaded library's ops: those it has (an older build loaded through
+    LOCALRUN_KERNEL_LIBRARY, as benchmarks/kernel_ab.py does, may lack some) and that have none yet."""
     for name, fake in FAKES.items():
-        qualname = f"localrun::{name}"
-        if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
+        if not hasattr(torch.ops.localrun, name):
             continue
-        torch.library.register_fake(qualname)(fake)
+        try:
+            torch.library.register_fake(f"localrun::{name}")(fake)
+        except RuntimeError:                  # registered already (a library loaded twice)
+            pass
