@@ -168,6 +168,8 @@ def main():
     from localrun.models import resolve_model
     if not kernels.available():
         raise SystemExit("compile_decode: the compiled kernels are unavailable; there is no fused step to compile")
+    from localrun.kernels import meta
+    meta.register()                                          # the ops' output shapes, for the tracer
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     steps = args.calls * 2 * (len(args.backends.split(",")) + 1) + 16

@@ -69,13 +69,18 @@ def best_row(rows: list[TuneRow]) -> TuneRow:
     return max((r for r in rows if r.decode_tok_s >= 0.97 * top), key=lambda r: r.prefill_tok_s)
 
 
+def sweep_context(prompt_tokens: int, gen_tokens: int) -> int:
+    """The context a sweep's engines are built for: the prompt, its decode steps and a few spare."""
+    return prompt_tokens + gen_tokens + 8
+
+
 class Forecast:
     """layerplan's (prefill, decode) tok/s for one sequence of this machine's calibrated engine,
     per GPU-layer count and chunk; None where there is no calibration of this machine, or the
     thread count is not the one it was taken at (its figures are that many threads' speed)."""
 
-    def __init__(self, model_path, n_ctx: int, prompt_tokens: int, gen_tokens: int):
-        self.model_path, self.n_ctx, self.prompt_tokens, self.gen_tokens = model_path, n_ctx, prompt_tokens, gen_tokens
+    def __init__(self, model_path, prompt_tokens: int, gen_tokens: int):
+        self.n_ctx, self.prompt_tokens, self.gen_tokens = sweep_context(prompt_tokens, gen_tokens), prompt_tokens, gen_tokens
         self.host_speed: float | None = None     # check_host's figure
         try:
             import layerplan
@@ -140,8 +145,8 @@ def sweep(model_path, *, threads: list[int], chunks: list[int], gpu_layers: list
     from localrun.calibrate_engine import decode_step_seconds, prefill_seconds, timed_steps
     from localrun.engine.llm_engine import LLMEngine
     from localrun.sampling_params import SamplingParams
-    n_ctx = prompt_tokens + gen_tokens + 8
-    forecast = forecast or Forecast(model_path, n_ctx, prompt_tokens, gen_tokens)
+    n_ctx = sweep_context(prompt_tokens, gen_tokens)
+    forecast = forecast or Forecast(model_path, prompt_tokens, gen_tokens)
     params = SamplingParams(max_tokens=gen_tokens + 1, temperature=0, ignore_eos=True)
     for n_gpu_layers in gpu_layers:
         on_step(f"loading with {n_gpu_layers} GPU layers")

@@ -12,10 +12,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from localrun import kernels
 from localrun.api import LLM
+from localrun.kernels import meta
 from localrun.model.llama import PagedRows
 from synthetic_gguf import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="localrun's kernels did not compile here")
+
+
+@pytest.fixture(autouse=True)
+def traceable():
+    meta.register()                                   # as a tracer's caller does (not at start-up)
 
 TOKENS, LENGTHS, BLOCK, BLOCKS = [5, 17, 3], [1, 9, 20], 4, 16
 
@@ -84,7 +90,6 @@ def test_the_decode_forward_compiles_to_one_graph_with_the_same_bits(tmp_path):
 def test_registering_skips_ops_a_library_lacks_and_ops_done_already(monkeypatch):
     """An older build loaded through LOCALRUN_KERNEL_LIBRARY (benchmarks/kernel_ab.py) may lack an
     op; the kernels must still load."""
-    from localrun.kernels import meta
     monkeypatch.setitem(meta.FAKES, "no_such_op", lambda x: x)
     meta.register()                                   # neither the missing op nor the second time raises
     assert not hasattr(torch.ops.localrun, "no_such_op")

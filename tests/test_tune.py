@@ -94,7 +94,7 @@ def test_only_the_calibrated_thread_count_is_predicted(tiny_gguf, tmp_path, monk
     cal = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=1e-5,
                                 backend="engine", threads=1, engine_reference_s=1e-3)
     monkeypatch.setattr(calibrate, "load", lambda machine, cache_dir=None, model=None: cal)
-    forecast = Forecast(path, 32 + 2 + 8, 32, 2)
+    forecast = Forecast(path, 32, 2)
     rows = list(sweep(path, threads=[1, 2], chunks=[8, 32], gpu_layers=[0], prompt_tokens=32, gen_tokens=2,
                       forecast=forecast))
     assert forecast.threads == 1

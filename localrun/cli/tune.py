@@ -63,7 +63,7 @@ def tune(
         raise UserError("--prompt-tokens must be at least 8 and --gen-tokens at least 1")
     err = Console(stderr=True, highlight=False)
     rows = []
-    forecast = Forecast(path, prompt_tokens + gen_tokens + 8, prompt_tokens, gen_tokens)
+    forecast = Forecast(path, prompt_tokens, gen_tokens)
     total = len(gpu_list) * len(thread_list) * len(chunk_list)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=err, transient=True) as progress:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from localrun.kernels import meta
 from localrun.kernels.build import BuildError, build, library_path
 
 # GGML type ids with a kernel (gguf's GGMLQuantizationType values)
@@ -49,7 +48,6 @@ def available() -> bool:
     try:
         torch.ops.load_library(os.environ.get("LOCALRUN_KERNEL_LIBRARY") or str(build(quiet=True)))
         torch.ops.localrun.isa()                      # LOCALRUN_ISA is checked here
-        meta.register()                               # output shapes, for torch.compile's tracer
     except (BuildError, OSError, RuntimeError) as e:
         print(f"localrun: the compiled kernels are unavailable ({e}); running without them (slower)",
               file=sys.stderr)

@@ -1,6 +1,7 @@
 """The output shapes of the decode step's ops (fake implementations), so `torch.compile` can
 trace calls to them: torch's tracer runs each op on tensors without data and needs to know what
-comes out. Registered once, when the library loads (`kernels.available()`).
+comes out. Nothing in localrun compiles (below), so they are not registered at start-up: whoever
+traces calls `register()` once the library is loaded (benchmarks/compile_decode.py, the tests).
 
 Whether compiling the decode step pays was measured (benchmarks/compile_decode.py,
 docs/kernels.md "torch.compile of the decode step"): it does not, so nothing compiles it; these
