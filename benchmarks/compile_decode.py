@@ -90,10 +90,9 @@ def _define_block_op():
                "Tensor tables, Tensor row_seq, Tensor row_len, int block_size) -> Tensor")
 
     def block(x, i, freqs, k_pool, v_pool, slots, tables, row_seq, row_len, block_size):
-        fused = _BLOCKS[i]
-        return torch.ops.localrun.decode_block(x, *fused.args, torch.view_as_complex(freqs), k_pool, v_pool, slots,
-                                               tables, row_seq, row_len, block_size, fused.window, fused.n_head,
-                                               fused.n_kv, fused.neox, *fused.options, None, None)
+        from localrun.model.llama import PagedRows
+        paged = PagedRows(x.shape[0], slots, tables, row_seq, row_len, block_size, lambda layer: (k_pool, v_pool))
+        return _BLOCKS[i](x, torch.view_as_complex(freqs), paged)          # FusedDecode's own call
     lib.impl("block", block, "CPU")
     torch.library.register_fake("compile_decode_bench::block")(lambda x, *rest: torch.empty_like(x))
     return lib
