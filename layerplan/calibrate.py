@@ -114,6 +114,7 @@ class Calibration:
                                                   # memory traffic, which the short one barely sees
     misfit: float | None = None      # the engine calibration's worst timing, |measured / modelled - 1| after the fit
     engine_key: str = ""             # the model file the engine calibration timed (engine_key(path)), '' for none
+    engine_build: str = ""           # the build of localrun's kernels it timed (localrun.engine_build), '' for none
     host_kv_decode_flops: dict[str, list[float]] | None = None  # KV type -> [flop/s of one decode row's attention
                                                 # over such a cache, of a batch's, the batch's rows] (engine
                                                 # calibration, the quantized types it times)
@@ -407,27 +408,32 @@ def save(calibration: Calibration, cache_dir: Path | None = None) -> Path | None
     return path
 
 
-def load(machine: Machine, cache_dir: Path | None = None, model=None) -> Calibration | None:
+def load(machine: Machine, cache_dir: Path | None = None, model=None, engine_build: str | None = None) -> Calibration | None:
     """The cached calibration of this machine, or None (none cached, unreadable, or another machine's).
     With `model` (a GGUF path), the calibration of that model's engine where one was saved, else
-    the machine's latest (another model's engine figures: the host's, seen through other shapes)."""
+    the machine's latest (another model's engine figures: the host's, seen through other shapes).
+    With `engine_build` (the running localrun's, which layerplan cannot compute without it), an
+    engine calibration taken with another build of the kernels is passed over: its figures
+    describe the old library."""
     if model is not None:
         try:
-            own = _read(_engine_path(engine_key(model), cache_dir), machine)
+            own = _read(_engine_path(engine_key(model), cache_dir), machine, engine_build)
         except OSError:         # no such file to key on
             own = None
         if own is not None:
             return own
-    return _read((cache_dir or default_cache_dir()) / CALIBRATION_FILE, machine)
+    return _read((cache_dir or default_cache_dir()) / CALIBRATION_FILE, machine, engine_build)
 
 
-def _read(path: Path, machine: Machine) -> Calibration | None:
+def _read(path: Path, machine: Machine, engine_build: str | None = None) -> Calibration | None:
     try:
         raw = json.loads(path.read_text())
         calibration = Calibration(**{**raw, "gpus": tuple(GPUCalibration(**g) for g in raw.get("gpus", ()))})
     except (OSError, ValueError, TypeError):
         return None
     if calibration.suspect or calibration.fingerprint != fingerprint(machine):
+        return None
+    if engine_build is not None and calibration.engine_key and calibration.engine_build != engine_build:
         return None
     return calibration
 

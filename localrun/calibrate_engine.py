@@ -447,6 +447,8 @@ def _measure_engine_once(path, calibration, threads: int | None):
     from layerplan.engine_fit import fit_host, residuals
     from layerplan.probe import probe_host
 
+    from localrun.engine_build import engine_build
+
     timings, kv_type, other_cpu, all_quiet, drift = measure_timings_in_new_process(path, threads)
     profile = engine_profile(path)
     host = apply(layerplan.Machine(gpus=(), host=probe_host()), calibration).host
@@ -470,6 +472,7 @@ def _measure_engine_once(path, calibration, threads: int | None):
         other_cpu=max(x for x in (calibration.other_cpu, other_cpu, 0.0) if x is not None),
         suspect=calibration.suspect or not all_quiet or moved,
         drift=drift, engine_reference_s=t.decode_short_s, engine_reference_long_s=t.decode_long_s, misfit=worst,
+        engine_build=engine_build(),
         engine_model=(f"{profile.name}: {profile.n_layers} layers, {kv_type} KV, {threads or 'default'} threads; "
                       f"decode step {t.decode_short_shallow_s * 1e3:.2f} ms at {t.n_layers_short} layers, "
                       f"{t.decode_short_s * 1e3:.2f} ms at all, "

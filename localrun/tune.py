@@ -86,8 +86,9 @@ class Forecast:
             import layerplan
             from layerplan import calibrate
             from localrun.calibrate_engine import engine_profile
+            from localrun.engine_build import engine_build
             local = layerplan.build_machine()
-            self.calibration = calibrate.load(local, model=model_path)
+            self.calibration = calibrate.load(local, model=model_path, engine_build=engine_build())
             self.machine = layerplan.build_machine(calibration=self.calibration)
             self.profile = engine_profile(model_path)
         except (ValueError, OSError):

@@ -115,3 +115,72 @@ def test_each_model_keeps_its_own_engine_calibration(tmp_path):
     # a suspect one replaces neither
     calibrate.save(replace(cal_b, suspect=True, host_kv_bandwidth=1.0), cache)
     assert calibrate.load(machine, cache, model=b) == cal_b
+
+
+def test_an_engine_calibration_of_other_kernels_is_passed_over(tmp_path):
+    """An engine calibration describes the kernels it timed: a plan of a localrun whose kernel
+    build differs reads neither it nor, through the machine's latest, the same figures; layerplan
+    alone (no build to compare) and a plan of the same build read it; a host-only calibration
+    (no engine figures) is read by any build."""
+    machine = build_machine(probe_gpus=False)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 10)
+    cache = tmp_path / "cache"
+    timed = _calibration(machine, host_kv_bandwidth=7.9e9, engine_key=calibrate.engine_key(model), engine_build="aaaa")
+    calibrate.save(timed, cache)
+    assert calibrate.load(machine, cache, model=model, engine_build="aaaa") == timed
+    assert calibrate.load(machine, cache, model=model) == timed
+    assert calibrate.load(machine, cache, model=model, engine_build="bbbb") is None
+    assert calibrate.load(machine, cache, engine_build="bbbb") is None
+    host_only = _calibration(machine)
+    calibrate.save(host_only, cache)
+    assert calibrate.load(machine, cache, model=tmp_path / "other.gguf", engine_build="bbbb") == host_only
+    old = {k: v for k, v in asdict(timed).items() if k != "engine_build"}      # saved before the field existed
+    (cache / "calibration.json").write_text(json.dumps(old))
+    assert calibrate.load(machine, cache, engine_build="aaaa") is None
+
+
+def test_the_engine_build_follows_the_kernel_sources_and_switches(tmp_path, monkeypatch):
+    """localrun's engine_build (torch-free) changes with any kernel source's bytes or name and
+    with the switches that pick a kernel, and with nothing else."""
+    from localrun.engine_build import CSRC, engine_build
+    for name in ("LOCALRUN_ISA", "LOCALRUN_NO_KERNELS", "LOCALRUN_KERNEL_LIBRARY"):
+        monkeypatch.delenv(name, raising=False)
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "a.cpp").write_text("int a;")
+    first = engine_build(src)
+    assert engine_build(src) == first and len(first) == 16
+    (src / "a.cpp").write_text("int b;")
+    assert engine_build(src) != first
+    (src / "a.cpp").write_text("int a;")
+    assert engine_build(src) == first
+    (src / "a.cpp").rename(src / "b.cpp")
+    assert engine_build(src) != first
+    plain = engine_build(CSRC)
+    monkeypatch.setenv("LOCALRUN_ISA", "avx2")
+    assert engine_build(CSRC) != plain
+
+
+def test_plan_says_when_it_passes_over_another_builds_engine_calibration(tiny_gguf, tmp_path, monkeypatch):
+    """`localrun plan` with an engine calibration of this model taken by other kernels: one line
+    on stderr saying so and how to retake it, and the plan's figures are not that calibration's;
+    with the running build's, no such line and the figures are the engine's."""
+    from typer.testing import CliRunner
+
+    from localrun.cli.main import app
+    from localrun.engine_build import engine_build
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path / "home"))
+    path = tiny_gguf("Q8_0")
+    machine = build_machine(probe_gpus=False)
+    timed = _calibration(machine, host_kv_bandwidth=7.9e9, engine_key=calibrate.engine_key(path),
+                         engine_model="tiny: ...", engine_build="0" * 16)
+    calibrate.save(timed)
+    said = "taken with another build of localrun's kernels"
+    result = CliRunner().invoke(app, ["plan", str(path), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0 and said in result.stderr
+    assert "localrun's engine" not in json.loads(result.stdout.strip().splitlines()[-1])["devices"][-1]["source"]
+    calibrate.save(replace(timed, engine_build=engine_build()))
+    result = CliRunner().invoke(app, ["plan", str(path), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0 and said not in result.stderr
+    assert "localrun's engine" in json.loads(result.stdout.strip().splitlines()[-1])["devices"][-1]["source"]

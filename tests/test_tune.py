@@ -93,7 +93,7 @@ def test_only_the_calibrated_thread_count_is_predicted(tiny_gguf, tmp_path, monk
     path = tiny_gguf("Q4_0")
     cal = calibrate.Calibration(fingerprint="x", host_bandwidth=20e9, host_flops=1e11, host_matmul_overhead_s=1e-5,
                                 backend="engine", threads=1, engine_reference_s=1e-3)
-    monkeypatch.setattr(calibrate, "load", lambda machine, cache_dir=None, model=None: cal)
+    monkeypatch.setattr(calibrate, "load", lambda machine, cache_dir=None, model=None, engine_build=None: cal)
     forecast = Forecast(path, 32, 2)
     rows = list(sweep(path, threads=[1, 2], chunks=[8, 32], gpu_layers=[0], prompt_tokens=32, gen_tokens=2,
                       forecast=forecast))
@@ -108,6 +108,6 @@ def test_only_the_calibrated_thread_count_is_predicted(tiny_gguf, tmp_path, monk
 def test_without_a_calibration_nothing_is_predicted(tiny_gguf, tmp_path, monkeypatch):
     from layerplan import calibrate
     monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path))
-    monkeypatch.setattr(calibrate, "load", lambda machine, cache_dir=None, model=None: None)
+    monkeypatch.setattr(calibrate, "load", lambda machine, cache_dir=None, model=None, engine_build=None: None)
     rows = list(sweep(tiny_gguf("Q4_0"), threads=[1], chunks=[16], gpu_layers=[0], prompt_tokens=16, gen_tokens=2))
     assert [(r.predicted_prefill_tok_s, r.predicted_decode_tok_s) for r in rows] == [(None, None)]

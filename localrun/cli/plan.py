@@ -83,9 +83,10 @@ def plan(
     """Plan where each layer, its KV cache and the buffers go (GPU or host), with predicted speed."""
     import layerplan
     from layerplan import calibrate
+    from layerplan.frontier import PREFERENCES, plan_menu
     from layerplan.units import parse_bytes
 
-    from layerplan.frontier import PREFERENCES, plan_menu
+    from localrun.engine_build import engine_build
 
     if emit is not None and emit not in EMIT_TARGETS:
         raise UserError(f"--emit takes {' or '.join(EMIT_TARGETS)}, not '{emit}'")
@@ -96,7 +97,12 @@ def plan(
     profile = load_profile(model)
     try:
         local = layerplan.build_machine()
-        calibration = calibrate.load(local, model=profile.path)   # this model's engine figures, where timed
+        # this model's engine figures, where timed with the kernels this localrun runs
+        calibration = calibrate.load(local, model=profile.path, engine_build=engine_build())
+        stale = calibrate.load(local, model=profile.path)
+        if not measure and stale is not None and stale.engine_key and stale != calibration:
+            typer.echo("the engine calibration here was taken with another build of localrun's kernels, so its "
+                       "speeds are not used; --measure retakes it (a few minutes)", err=True)
         if measure:
             dtype, threads = _engine_compute()
             calibration = calibrate.measure(local, dtype=dtype, threads=threads)
