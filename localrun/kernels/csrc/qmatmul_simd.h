@@ -600,7 +600,8 @@ static inline void decode_unit(const uint8_t* const* rp, int64_t u, __m256i* q, 
 // prefetcher follows as one sequential stream from tile to tile. Without that read, on 2 Zen 4
 // cores whose memory was contended by other tenants, a one-sequence decode step took 1.7-1.9x
 // as long (SmolLM2 10.8 against 6.4 ms, gemma-3 20.6 against 11.0; the rows layout, which reads
-// each row straight through, kept its speed); on a quiet host 1.08-1.12x (2026-12-05).
+// each row straight through, kept its speed); on a quiet host 1.02-1.11x (SmolLM2) and 1.30x
+// (gemma-3, its 262k-row Q8_0 head), 2026-12-05, docs/kernels.md.
 static inline void touch_lines(const uint8_t* p, int64_t bytes) {
     uint8_t sink = 0;
     for (int64_t off = 0; off < bytes; off += 64) sink ^= *(volatile const uint8_t*)(p + off);
