@@ -473,16 +473,26 @@ static inline void words32x8(const uint8_t* const* rp, int64_t at, __m256i* out)
 // 256 stores a super-block, a large part of a one-row call's time).
 static inline void scales8_k4(const uint8_t* const* rp, int64_t sb, int bytes, float* ab) {
     const int64_t at = sb * bytes;
-    __m256 d, dmin;
-    halfs8(rp, at, d, dmin);
+    // each row's first 16 bytes (d, dmin, the 12 bytes of scales and mins) as four words a lane:
+    // rows i and i + 4 in one register, then a 4 x 4 word transposition per 128-bit half (eight
+    // loads and 12 shuffles where four words8 took 32 loads and their inserts)
+    __m256i r[4];
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(rp[i + 4] + at)), _mm_loadu_si128((const __m128i*)(rp[i] + at)));
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i w = _mm256_unpacklo_epi64(t0, t2), h0 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i h1 = _mm256_unpacklo_epi64(t1, t3), h2 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i hf = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, split), _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(hf)), dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(hf, 1));
     const __m256 neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
-    const __m256i h0 = words8(rp, at + 4), h1 = words8(rp, at + 8), h2 = words8(rp, at + 12);
     const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
-    auto put = [&](int j, __m256i sc, __m256i m) {
-        const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), b = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(m));
+    auto put = [&](int j, __m256i sc, __m256i m) {      // a and b of half 0 (Q4_K and Q5_K have no halves)
         float* o = ab + 32 * j;
-        _mm256_storeu_ps(o, a); _mm256_storeu_ps(o + 8, a);
-        _mm256_storeu_ps(o + 16, b); _mm256_storeu_ps(o + 24, b);
+        _mm256_storeu_ps(o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+        _mm256_storeu_ps(o + 16, _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(m)));
     };
     for (int k = 0; k < 4; k++) {       // sub-blocks k (bytes k and k + 4) and k + 4 (byte k + 8, high bits of k, k + 4)
         const __m256i b0 = _mm256_srli_epi32(h0, 8 * k), b1 = _mm256_srli_epi32(h1, 8 * k), b2 = _mm256_srli_epi32(h2, 8 * k);
@@ -613,9 +623,10 @@ struct NextTile {
     NextTile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t next_rows, int64_t parts)
         : p(next_rows ? w + (n0 + 8) * row_bytes : w), span(next_rows * row_bytes),
           per(((span + 63) / 64 + parts - 1) / parts * 64) {}
+    template <int HINT = _MM_HINT_T0>
     void prefetch(int64_t part) const {
         for (int64_t off = part * per; off < std::min(span, (part + 1) * per); off += 64)
-            _mm_prefetch((const char*)(p + off), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + off), (_mm_hint)HINT);
     }
 };
 
@@ -801,11 +812,14 @@ constexpr int DIRECT_MAX_ROWS = LANES_TILE;
 // follow, in its order: the same bits as the lane kernels' for that row (tile_rows, direct_rows
 // of more rows, the AVX2 build), with no 8 x 8 word transpositions, no tile of codes stored and
 // loaded again, and one 512-bit vpdpbusd for 64 products where the lanes take two 256-bit ones
-// and their broadcasts. Each weight row is read straight through, which the hardware prefetcher
-// follows. A 1.1B llama of Q4_K_M blocks (TinyLlama's shape), one row, every layer's weights of a
-// kind in turn, 2 Zen 4 threads, one process alternating old and new (2026-12-05): Q4_K 0.73-0.86
-// of the time for the large weights, ~0.97 for the small k/v ones, Q6_K 0.93-0.99; its decode step
-// 35.6 -> 29.7 ms.
+// and their broadcasts; Q4_K/Q5_K take two chunks (64 bytes) of a row per load, against the
+// activation's groups rearranged to match once per super-block. The tile is read in address
+// order first (touch_lines) and the next tile is prefetched into L2, not L1 (T1): with the lanes'
+// T0, the 37 KB tiles of a K = 5632 Q6_K weight and their successors overran the 32 KB L1 (2
+// threads: 17-18 against 26-29 GB/s). A 1.1B llama of Q4_K_M blocks (TinyLlama's shape), one row,
+// every layer's weights of a kind in turn, one process alternating the lane kernel and this one
+// (2026-12-05, Zen 4): 2 threads, large weights 0.71-0.85 of the time (30-34 GB/s: the host's
+// streaming rate), the small k/v ones ~0.9; 1 thread 0.59-0.83; its decode step 33.8 -> 23.5 ms.
 
 // p[i] (weight row i) holds 4 int32 partial sums in each of its four 128-bit lanes; returns r0
 // (lane k of rows 0..3: row i's sum over p[i]'s 128-bit lane k in 32-bit lane 4k + i) and r1
@@ -843,27 +857,32 @@ static void direct_row_read(const uint8_t* w, int64_t row_bytes, int64_t n0, int
     touch_lines(w + n0 * row_bytes, rows * row_bytes);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t u = 0; u < units; u++) {
-        next.prefetch(u);
+        next.prefetch<_MM_HINT_T1>(u);
         alignas(32) float ab[32 * 8];
         const uint8_t* xu = x + 256 * u;
         if constexpr (QT == Q6_K) {
             scales8_q6k(rp, u, ab);
-            const __m512i low2 = _mm512_set1_epi8(0x03);
-            for (int h = 0; h < 2; h++) {
-                for (int k2 = 0; k2 < 2; k2++) {      // groups 4h + 2 k2 (low half) and 4h + 2 k2 + 1 (high half)
-                    const __m512i xc = _mm512_loadu_si512((const void*)(xu + 128 * h + 64 * k2));
-                    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * k2)), _mm256_set1_epi16((short)(4 * k2 + 2)), 1);
-                    __m512i p[8];
-                    for (int i = 0; i < 8; i++) {
-                        const uint8_t* blk = rp[i] + u * 210;
-                        const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));    // k = 0 | k = 1 (k = 2, 3 above 4 bits)
-                        const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
-                        const __m512i lo = _mm512_and_si512(k2 ? _mm512_srli_epi16(ql, 4) : ql, low4);
-                        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1), shift), low2);
-                        p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), xc);
-                    }
-                    __m512i r0, r1;                    // 128-bit lane k of p: half k % 2 of group 2 k2 + k / 2
-                    sums4_by_lane(p, r0, r1);
+            const __m512i m30 = _mm512_set1_epi8(0x30);
+            const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);     // qh bits 0-1 | 2-3 -> 4-5
+            const __m512i down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);   // bits 4-5 | 6-7 -> 4-5
+            for (int h = 0; h < 2; h++) {             // groups 4h + k, k < 4: low bits k % 2 ? ql1 : ql0, nibble k / 2
+                const __m512i xa = _mm512_loadu_si512((const void*)(xu + 128 * h));        // groups 4h | 4h + 1
+                const __m512i xb = _mm512_loadu_si512((const void*)(xu + 128 * h + 64));   // groups 4h + 2 | 4h + 3
+                __m512i pa[8], pb[8];
+                for (int i = 0; i < 8; i++) {
+                    const uint8_t* blk = rp[i] + u * 210;
+                    const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));    // ql0 | ql1
+                    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+                    // (low bits & 0x0F) | high bits: vpternlog 0xEC is (a & c) | b
+                    const __m512i ca = _mm512_ternarylogic_epi32(ql, _mm512_and_si512(_mm512_sllv_epi16(qh, up), m30), low4, 0xEC);
+                    const __m512i cb = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), _mm512_and_si512(_mm512_srlv_epi16(qh, down), m30),
+                                                                 low4, 0xEC);
+                    pa[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ca, xa);
+                    pb[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cb, xb);
+                }
+                for (int k2 = 0; k2 < 2; k2++) {
+                    __m512i r0, r1;                    // 128-bit lane k of p: half k % 2 of group 4h + 2 k2 + k / 2
+                    sums4_by_lane(k2 ? pb : pa, r0, r1);
                     for (int e = 0; e < 2; e++) {
                         const int j = 4 * h + 2 * k2 + e, g = 8 * (int)u + j;
                         const __m512i s = e ? _mm512_permutex2var_epi64(r0, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), r1)
@@ -880,26 +899,32 @@ static void direct_row_read(const uint8_t* w, int64_t row_bytes, int64_t n0, int
         } else {
             constexpr int qs_at = QT == Q4_K ? 16 : 48;
             scales8_k4(rp, u, bytes, ab);
-            for (int c = 0; c < 4; c++) {             // groups 2c (low nibbles) and 2c + 1 (high)
-                const __m512i xc = _mm512_loadu_si512((const void*)(xu + 64 * c));
-                __m512i p[8];
+            for (int c = 0; c < 4; c += 2) {          // chunks c, c + 1: groups 2c, 2c + 2 (low nibbles), 2c + 1, 2c + 3 (high)
+                const __m512i x0 = _mm512_loadu_si512((const void*)(xu + 64 * c));        // groups 2c | 2c + 1
+                const __m512i x1 = _mm512_loadu_si512((const void*)(xu + 64 * c + 64));   // groups 2c + 2 | 2c + 3
+                const __m512i xlo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(1, 0, 1, 0));
+                const __m512i xhi = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 2, 3, 2));
+                __m512i plo[8], phi[8];
                 for (int i = 0; i < 8; i++) {
                     const uint8_t* blk = rp[i] + u * bytes;
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + qs_at + 32 * c));
-                    __m512i q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
+                    const __m512i v = _mm512_loadu_si512((const void*)(blk + qs_at + 32 * c));
+                    __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                     if constexpr (QT == Q5_K) {       // bit j of qh byte l: the fifth bit of value l of group j
                         const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
-                        const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
-                        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1), shift),
-                                                             _mm512_set1_epi8(1));
-                        q = _mm512_or_si512(q, _mm512_slli_epi16(bit, 4));
+                        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1), one = _mm512_set1_epi8(1);
+                        const __m512i slo = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 2)), 1);
+                        const __m512i shi = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c + 1)), _mm256_set1_epi16((short)(2 * c + 3)), 1);
+                        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh2, slo), one), 4));
+                        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh2, shi), one), 4));
                     }
-                    p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xc);
+                    plo[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
+                    phi[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi);
                 }
-                const __m512i t = sums8_by_lane(p);
-                for (int e = 0; e < 2; e++) {
+                const __m512i tlo = sums8_by_lane(plo), thi = sums8_by_lane(phi);   // [2c | 2c + 2], [2c + 1 | 2c + 3]
+                for (int e = 0; e < 4; e++) {
                     const int j = 2 * c + e, g = 8 * (int)u + j;
-                    lane_scaled(acc, e ? _mm512_extracti64x4_epi64(t, 1) : _mm512_castsi512_si256(t), ab + 32 * j,
+                    const __m512i t = e % 2 ? thi : tlo;
+                    lane_scaled(acc, e < 2 ? _mm512_castsi512_si256(t) : _mm512_extracti64x4_epi64(t, 1), ab + 32 * j,
                                 _mm256_broadcast_ss(qx.d + g));
                     lane_offset(acc, ab + 32 * j + 16, qx.sxg + g);
                 }
