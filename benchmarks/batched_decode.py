@@ -221,7 +221,8 @@ class LlamaCppBatch:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="a catalog name, a .gguf path, or synthetic-1b-q4_k_m (benchmarks/synthetic_model.py)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
@@ -252,7 +253,7 @@ def main():
 
     from localrun import LLM, kernels
     from localrun.cpu_info import cpu_info
-    from localrun.models import resolve_model
+    from synthetic_model import resolve as resolve_model   # catalog names, paths, synthetic-*
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)

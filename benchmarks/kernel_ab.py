@@ -55,7 +55,7 @@ def child(args) -> None:
     from batched_decode import prompts, start
     from localrun import LLM
     from localrun.engine.llm_engine import LLMEngine
-    from localrun.models import resolve_model
+    from synthetic_model import resolve as resolve_model   # catalog names, paths, synthetic-*
     from localrun.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -82,7 +82,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", default="HEAD", help="git revision of the kernels' sources, or . for the working tree")
     ap.add_argument("--b", default=".", help="the other version (default: the working tree)")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="a catalog name, a .gguf path, or synthetic-1b-q4_k_m (benchmarks/synthetic_model.py)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)

@@ -75,7 +75,8 @@ def bench_localrun(llm, ids: list[int], n_gen: int, sampled: bool = False) -> tu
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="a catalog name, a .gguf path, or synthetic-1b-q4_k_m (benchmarks/synthetic_model.py)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=128)
@@ -94,7 +95,7 @@ def main():
     import torch
 
     from localrun import LLM
-    from localrun.models import resolve_model
+    from synthetic_model import resolve as resolve_model   # catalog names, paths, synthetic-*
 
     path = resolve_model(args.model)
     llm = LLM(path, n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_threads=args.threads, dtype=args.dtype,

@@ -34,67 +34,19 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))          # synthetic_gguf: the tiny BPE vocabulary
+sys.path.insert(0, str(ROOT / "benchmarks"))     # synthetic_model: the random llamas
 sys.path.insert(0, str(ROOT))
 WORKER_TIMEOUT_S = 300
 GIB = 2 ** 30
 
 
 def write_synthetic_q4_0(path: Path, n_layers: int, n_embd: int, n_vocab: int = 320) -> Path:
-    """A llama GGUF of random Q4_0 blocks, heads of 128, a KV head per 4 (no float weights are
-    ever made: fast to write)."""
-    import gguf
-    from synthetic_gguf import BOS_TOKEN_ID, CHATML_TEMPLATE, EOS_TOKEN_ID, tiny_bpe_vocab
+    """A llama GGUF of random Q4_0 blocks (benchmarks/synthetic_model.py), heads of 128, a KV head per 4."""
+    from synthetic_model import Shape, write_llama
 
-    rng = np.random.default_rng(0)
-    n_ff = (n_embd * 8 // 3 + 255) // 256 * 256
     n_head = n_embd // 128
-    n_head_kv = max(1, n_head // 4)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name(f"synthetic-{n_layers}x{n_embd}-q4_0")
-    for add, value in [(writer.add_vocab_size, n_vocab), (writer.add_context_length, 4096),
-                       (writer.add_embedding_length, n_embd), (writer.add_block_count, n_layers),
-                       (writer.add_feed_forward_length, n_ff), (writer.add_head_count, n_head),
-                       (writer.add_head_count_kv, n_head_kv), (writer.add_rope_dimension_count, 128)]:
-        add(value)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    tokens, types, merges = tiny_bpe_vocab(n_vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(BOS_TOKEN_ID)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
-
-    def q4_0(n_out: int, n_in: int) -> np.ndarray:
-        blocks = rng.integers(0, 256, size=(n_out * n_in // 32, 18), dtype=np.uint8)
-        d = np.full(len(blocks), 1.0 / (8 * np.sqrt(n_in)), dtype=np.float16)
-        blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
-        return blocks.reshape(n_out, n_in // 32 * 18)
-
-    def norm() -> np.ndarray:
-        return np.ones(n_embd, dtype=np.float32)
-
-    kv_width = n_head_kv * 128
-    writer.add_tensor("token_embd.weight", q4_0(n_vocab, n_embd), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-    for i in range(n_layers):
-        p = f"blk.{i}."
-        for name, shape in [("attn_q", (n_embd, n_embd)), ("attn_k", (kv_width, n_embd)),
-                            ("attn_v", (kv_width, n_embd)), ("attn_output", (n_embd, n_embd)),
-                            ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))]:
-            writer.add_tensor(p + name + ".weight", q4_0(*shape), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-        writer.add_tensor(p + "attn_norm.weight", norm())
-        writer.add_tensor(p + "ffn_norm.weight", norm())
-    writer.add_tensor("output_norm.weight", norm())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_llama(path, Shape(n_layers=n_layers, n_embd=n_embd, n_ff=(n_embd * 8 // 3 + 255) // 256 * 256,
+                                   n_head=n_head, n_head_kv=max(1, n_head // 4), n_vocab=n_vocab, mix="q4_0"))
 
 
 def _gpu_used_bytes() -> int:
