@@ -1175,7 +1175,19 @@ static void direct_rows_of(int r, const uint8_t* w, int64_t row_bytes, int64_t n
 template <int QT>
 static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
                       float* y, int64_t ldy) {
-    if (M <= DIRECT_MAX_ROWS) {
+#ifdef LOCALRUN_VNNI
+    // AVX-512: the K-quants' calls of 2 or more rows build tiles (below) rather than decoding
+    // each super-block of 8 or 16 rows and using it at once (direct_rows, direct_rows16), which
+    // ran slower and erratically at 13-16 rows (cause not traced; the 32-value types' direct
+    // paths are the faster ones): one thread, a 2048 x 2048 Q4_K weight, us per row
+    // at 2 .. 16 rows, direct 95 64 57 51 49 45 44 46 39 39 38 41 64 54 61, tiles 91 67 56 51 46
+    // 44 42 43 40 38 37 36 35 35 34; Q6_K 6-16 rows 5-15% faster (2026-12-05, Zen 4). One row
+    // reads the rows straight through (direct_row_read). On AVX2 the two measured the same.
+    const bool kq_tiles = UNIT_GROUPS<QT> == 8 && M > 1;
+#else
+    const bool kq_tiles = false;
+#endif
+    if (M <= DIRECT_MAX_ROWS && !kq_tiles) {
         for (int64_t nt = n0; nt < n1; nt += 8) {
             const int rows = (int)std::min<int64_t>(8, n1 - nt);
             const int64_t next_rows = std::min<int64_t>(8, std::max<int64_t>(0, n1 - nt - 8));
@@ -1186,7 +1198,7 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     thread_local Tile8 tile;
     int64_t nt = n0;
 #ifdef LOCALRUN_VNNI
-    if (M <= DIRECT16_MAX_ROWS) {        // 16 weight rows decoded and used at once (direct_rows16)
+    if (M <= DIRECT16_MAX_ROWS && !kq_tiles) {   // 16 weight rows decoded and used at once (direct_rows16)
         for (; nt + 8 < n1; nt += 16) {
             const int rows_b = (int)std::min<int64_t>(8, n1 - nt - 8);
             direct_rows16_of<QT>((int)M, w, row_bytes, nt, rows_b, qx, y, ldy,
