@@ -651,18 +651,38 @@ static void build_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows
 }
 
 #ifdef LOCALRUN_VNNI
+// vpdpbusd with the activation's 4 bytes as an embedded broadcast operand ({1to8}, {1to16}):
+// written out because GCC loads them with a vpbroadcastd of its own, one more operation on the
+// vector pipes for every vpdpbusd. Engine steps, one process alternating the two (SmolLM2 and
+// gemma-3-270m, 2 Zen 4 threads, 2026-12-05): 4 sequences 0.94-0.96 of the time, 16 sequences
+// 0.97-0.99; one sequence's two dependent chains 1.01-1.012 slower with it, so a call of one row
+// keeps the broadcast op (EMB false: the same integer sums either way).
+static inline __attribute__((always_inline)) __m256i dpbusd_b8(__m256i acc, __m256i q, const uint8_t* x4) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t*)x4));
+    return acc;
+}
+static inline __attribute__((always_inline)) __m512i dpbusd_b16(__m512i acc, __m512i q, const uint8_t* x4) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t*)x4));
+    return acc;
+}
+
 // The int32 lanes of steps j0 .. j1 - 1 of a group for one activation row: codes q[j] (8 rows)
 // times the activation's 4 bytes x + 4j broadcast, each step's four products summed straight
 // into int32 by VNNI (two chains, even and odd steps, joined at the end). The integer sums are
-// exact, so these are the AVX2 build's bits (steps_sum_rows).
-template <int QT>
+// exact, so these are the AVX2 build's bits (steps_sum_rows). EMB: the broadcasts embedded.
+template <int QT, bool EMB>
 static inline __attribute__((always_inline)) __m256i steps_sum(const __m256i* q, const uint8_t* x, int j0, int j1) {
     __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = j0; j < j1; j += 2) {
-        uint32_t x0, x1; std::memcpy(&x0, x + 4 * j, 4); std::memcpy(&x1, x + 4 * j + 4, 4);
-        even = _mm256_dpbusd_epi32(even, _mm256_load_si256(q + j), _mm256_set1_epi32((int)x0));
-        odd = _mm256_dpbusd_epi32(odd, _mm256_load_si256(q + j + 1), _mm256_set1_epi32((int)x1));
+        if constexpr (EMB) {
+            even = dpbusd_b8(even, _mm256_load_si256(q + j), x + 4 * j);
+            odd = dpbusd_b8(odd, _mm256_load_si256(q + j + 1), x + 4 * j + 4);
+        } else {
+            uint32_t x0, x1; std::memcpy(&x0, x + 4 * j, 4); std::memcpy(&x1, x + 4 * j + 4, 4);
+            even = _mm256_dpbusd_epi32(even, _mm256_load_si256(q + j), _mm256_set1_epi32((int)x0));
+            odd = _mm256_dpbusd_epi32(odd, _mm256_load_si256(q + j + 1), _mm256_set1_epi32((int)x1));
+        }
     }
     return _mm256_add_epi32(even, odd);
 }
@@ -727,12 +747,12 @@ static inline __attribute__((always_inline)) void lane_group(const __m256i* q, c
         const __m256 d = _mm256_broadcast_ss(dx + r * G);
         if constexpr (HALVES<QT>) {
             const float* sh = qx.sxh + (m0 + r) * 2 * G + 2 * g;
-            lane_scaled(acc[r], steps_sum<QT>(q, x, 0, 4), ab, d);
-            lane_scaled(acc[r], steps_sum<QT>(q, x, 4, 8), ab + 8, d);
+            lane_scaled(acc[r], steps_sum<QT, (R > 1)>(q, x, 0, 4), ab, d);
+            lane_scaled(acc[r], steps_sum<QT, (R > 1)>(q, x, 4, 8), ab + 8, d);
             lane_offset(acc[r], ab + 16, sh);
             lane_offset(acc[r], ab + 24, sh + 1);
         } else {
-            lane_scaled(acc[r], steps_sum<QT>(q, x, 0, 8), ab, d);
+            lane_scaled(acc[r], steps_sum<QT, (R > 1)>(q, x, 0, 8), ab, d);
             lane_offset(acc[r], ab + 16, qx.sxg + (m0 + r) * G + g);
         }
     }
@@ -984,9 +1004,8 @@ static inline __attribute__((always_inline)) void steps_sum16_rows(const __m512i
         __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = j0; j < j1; j += 2) {
-            uint32_t x0, x1; std::memcpy(&x0, x[0] + 4 * j, 4); std::memcpy(&x1, x[0] + 4 * j + 4, 4);
-            even = _mm512_dpbusd_epi32(even, q[j], _mm512_set1_epi32((int)x0));
-            odd = _mm512_dpbusd_epi32(odd, q[j + 1], _mm512_set1_epi32((int)x1));
+            even = dpbusd_b16(even, q[j], x[0] + 4 * j);
+            odd = dpbusd_b16(odd, q[j + 1], x[0] + 4 * j + 4);
         }
         s[0] = _mm512_add_epi32(even, odd);
         return;
@@ -995,8 +1014,7 @@ static inline __attribute__((always_inline)) void steps_sum16_rows(const __m512i
     for (int j = j0; j < j1; j++) {
 #pragma GCC unroll 8
         for (int i = 0; i < B; i++) {
-            uint32_t x4; std::memcpy(&x4, x[i] + 4 * j, 4);
-            s[i] = _mm512_dpbusd_epi32(j == j0 ? _mm512_setzero_si512() : s[i], q[j], _mm512_set1_epi32((int)x4));
+            s[i] = dpbusd_b16(j == j0 ? _mm512_setzero_si512() : s[i], q[j], x[i] + 4 * j);
         }
     }
 }
