@@ -65,7 +65,7 @@ Each ratio is measured over predicted. Targets (issue 20): memory 0.95-1.05; dec
 A run may name the engine's KV type (`2048x1:int8`; default: the engine's own, f16): the plan is
 then for that type, as `localrun plan --kv-type` makes it.
 
-    .venv/bin/python benchmarks/plan_accuracy.py [--model gemma3-270m] [--runs 512x1 4096x1 512x4 2048x1:int8] [--tokens 32] [--passes 8]
+    .venv/bin/python benchmarks/plan_accuracy.py [--model gemma3-270m | synthetic-1b-q4_k_m] [--runs 512x1 4096x1 512x4 2048x1:int8] [--tokens 32] [--passes 8]
 """
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ import sys
 import time
 
 from localrun.cpu_info import cpu_info
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from synthetic_model import SYNTHETIC  # noqa: E402
+from synthetic_model import resolve as synthetic_path  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m"
 QUIET_WAIT_S = 60.0     # the longest a pass waits for other processes to leave the CPU
@@ -281,8 +285,8 @@ def _parse_run(text: str) -> tuple[int, int, str | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="a catalog name or a GGUF path "
-                        f"(default {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a catalog name, a GGUF path or synthetic-1b-q4_k_m "
+                        f"(benchmarks/synthetic_model.py; default {DEFAULT_MODEL})")
     parser.add_argument("--runs", nargs="+", default=["512x1", "4096x1", "512x4"], help="CTXxPARALLEL")
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate per sequence")
     parser.add_argument("--passes", type=int, default=8, help="passes per run; of the quiet ones the median "
@@ -305,7 +309,10 @@ def main() -> None:
     from localrun.api import default_dtype, default_threads
     from localrun.models import pull
 
-    path = args.model if os.path.isfile(args.model) else pull(args.model, quiet=True)
+    if args.model in SYNTHETIC:
+        path = str(synthetic_path(args.model))
+    else:
+        path = args.model if os.path.isfile(args.model) else pull(args.model, quiet=True)
     name = os.path.basename(args.model).removesuffix(".gguf")
     threads = args.threads or default_threads()
     dtype = str(default_dtype()).removeprefix("torch.")
