@@ -124,6 +124,33 @@ def test_rows_are_bit_identical_in_any_batch(layout):
         assert torch.equal(kernels.qmatmul(x[pick], weights, qtypes), full[pick])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_shared_out_in_chunks_are_the_bits_of_one_thread(layout):
+    """A call of at least four chunks (~64 KB of rows each) is shared out among the threads
+    (ops.cpp's RowShares: each thread its own share front to back, then chunks off the back of
+    another's), so where a row lands changes from call to call: its bits must not. Parts of two
+    row sizes and a 37-row one; 1 thread (one pass in order) against 2, 3 and 4."""
+    types = [QT.Q4_K, QT.Q6_K, QT.Q4_K]
+    parts = [random_blocks(QT.Q4_K, 2000, 256, seed=21), random_blocks(QT.Q6_K, 1500, 256, seed=22),
+             random_blocks(QT.Q4_K, 37, 256, seed=23)]
+    weights, qtypes = [torch.from_numpy(p) for p in parts], [int(t) | LAYOUTS[layout] for t in types]
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = {m: kernels.qmatmul(x[:m], weights, qtypes) for m in (1, 3, 17)}
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            for m, want in alone.items():
+                for _ in range(3):
+                    assert torch.equal(kernels.qmatmul(x[:m], weights, qtypes), want), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+    ref = x[:3].double() @ torch.cat([torch.from_numpy(dequantize(p, t).reshape(len(p), 256)) for p, t in
+                                      zip(parts, types)]).double().T
+    torch.testing.assert_close(alone[3].double(), ref, rtol=0, atol=0.02 * ref.abs().max().item())
+
+
 def test_layouts_agree_up_to_summation_order():
     """The lane layout computes the same sums as the row layout, in another order."""
     for qtype in TYPES:

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -147,6 +148,54 @@ ActivationBuffers& activation_buffers(int64_t M, int64_t K, bool lane_sums) {
     return buf;
 }
 
+// Rows n0 .. n1 - 1 of a call, shared out among the threads in chunks. Each thread starts on a
+// contiguous share of its own and takes its chunks front to back (one stream for the hardware
+// prefetcher and the kernels' next-tile requests); a thread done with its share takes chunks
+// from the back of another's. A static split left a thread waiting for the other in every call
+// (a slower vCPU, a Q6_K part beside Q4_K ones): the one-row calls of a decode step of the 1.1B
+// Q4_K_M file (benchmarks/synthetic_model.py) kept their two threads busy 96.3% of the call's time.
+// Every matmul of that file in layer order, one process alternating the two ways (Zen 4, 2
+// threads, 2026-12-05), median of the passes' ratios: one row 0.978-0.985 of the time, 64 rows
+// 0.977; with a busy process on one of the two cores (a desktop's other work) one row 0.87. Each
+// row is computed on its own, so the split does not change a bit. One word per share: its next
+// row (low 32 bits) and its end.
+class RowShares {
+public:
+    RowShares(int64_t N, int64_t threads, int64_t chunk) : shares_(threads), chunk_(chunk) {
+        const int64_t per = ((N + threads - 1) / threads + 15) / 16 * 16;     // whole 16-row tiles
+        for (int64_t t = 0; t < threads; t++) {
+            const int64_t lo = std::min(N, t * per), hi = t + 1 == threads ? N : std::min(N, (t + 1) * per);
+            shares_[t].store((uint64_t)hi << 32 | (uint64_t)lo);
+        }
+    }
+    template <class F>
+    void run(int64_t t, F&& f) {      // thread t: its own share, then the others' backs
+        int64_t b, e;
+        while (take(t, true, b, e)) f(b, e);
+        for (int64_t k = 1; k < (int64_t)shares_.size(); k++) {
+            const int64_t o = (t + k) % (int64_t)shares_.size();
+            while (take(o, false, b, e)) f(b, e);
+        }
+    }
+
+private:
+    bool take(int64_t t, bool front, int64_t& b, int64_t& e) {
+        uint64_t cur = shares_[t].load();
+        for (;;) {
+            const int64_t lo = (int64_t)(cur & 0xffffffffu), hi = (int64_t)(cur >> 32);
+            if (lo >= hi) return false;
+            // the owner takes half of what is left (at least a chunk): few breaks in its stream
+            const int64_t size = front ? std::max(chunk_, (hi - lo) / 2 / 16 * 16) : chunk_;
+            b = front ? lo : std::max(lo, hi - size);
+            e = front ? std::min(hi, lo + size) : hi;
+            const uint64_t next = front ? (uint64_t)hi << 32 | (uint64_t)e : (uint64_t)b << 32 | (uint64_t)lo;
+            if (shares_[t].compare_exchange_weak(cur, next)) return true;
+        }
+    }
+    std::vector<std::atomic<uint64_t>> shares_;
+    int64_t chunk_;
+};
+
 at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes, bool float_activations) {
     TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "localrun::qmatmul: x must be (M, K) float32");
     TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "localrun::qmatmul: one qtype per weight");
@@ -171,12 +220,25 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
     if (M == 0) return y;
     const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()) / 16 * 16);
     float* out = y.data_ptr<float>();
+    // chunks of about 64 KB of weight rows (16-row multiples), from the widest part's row size
+    int64_t widest = 1;
+    for (const at::Tensor& w : weights) widest = std::max<int64_t>(widest, w.size(1));
+    const int64_t chunk = std::max<int64_t>(16, (65536 / widest) / 16 * 16);
+    const int64_t threads = at::get_num_threads();
     auto over_rows = [&](auto&& run) {      // one pass over all weights' rows, split at part boundaries
-        at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+        auto rows = [&](int64_t b, int64_t e) {
             for (size_t i = 0; i < weights.size(); i++) {
                 const int64_t lo = std::max(b, starts[i]), hi = std::min(e, starts[i + 1]);
                 if (lo < hi) run(i, lo - starts[i], hi - starts[i]);
             }
+        };
+        if (threads < 2 || N < 4 * chunk || N >= (int64_t{1} << 31)) {
+            at::parallel_for(0, N, grain, rows);
+            return;
+        }
+        RowShares shares(N, threads, chunk);
+        at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+            for (int64_t t = t0; t < t1; t++) shares.run(t, rows);
         });
     };
     if (float_activations) {
