@@ -148,7 +148,7 @@ ActivationBuffers& activation_buffers(int64_t M, int64_t K, bool lane_sums) {
     return buf;
 }
 
-// Rows n0 .. n1 - 1 of a call, shared out among the threads in chunks. Each thread starts on a
+// A call's N weight rows, shared out among the threads in chunks. Each thread starts on a
 // contiguous share of its own and takes its chunks front to back (one stream for the hardware
 // prefetcher and the kernels' next-tile requests); a thread done with its share takes chunks
 // from the back of another's. A static split left a thread waiting for the other in every call
