@@ -43,6 +43,30 @@ def ffn_tensor(path, name="blk.0.ffn_up.weight") -> FileTensor:
     return file_tensor(open_gguf(path), name)
 
 
+def test_tensors_are_views_of_one_mapping_of_the_file(tiny_gguf):
+    """Every tensor's bytes are a view of one read-only mapping of the whole file (loader.file_map:
+    2 MB-aligned, so the page cache's 2 MB folios map whole), equal to the file's bytes at the
+    tensor's offset, and the mapping goes when the last view does."""
+    import gc
+    import weakref
+
+    from localrun import loader
+    path = tiny_gguf("Q4_K")
+    file = open_gguf(path)
+    names = ["blk.0.ffn_up.weight", "blk.0.attn_q.weight", "token_embd.weight"]
+    views = [loader.tensor_data(file, n) for n in names]
+    whole = loader.file_map(path)
+    data = Path(path).read_bytes()
+    for name, view in zip(names, views):
+        assert np.shares_memory(view, whole)
+        start = file.header.data_offset + file.tensors[name].offset
+        assert view.tobytes() == data[start:start + file.tensors[name].n_bytes]
+    gone = weakref.ref(whole)
+    del whole, views, view
+    gc.collect()
+    assert gone() is None
+
+
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q4_K"])
 def test_int4_groups_equal_gguf_dequantize(tiny_gguf, tensor_type):
     t = ffn_tensor(tiny_gguf(tensor_type))
