@@ -89,9 +89,14 @@ def main():
                     help="sequences localrun's engine is built for (default 1: `localrun chat`'s engine, one "
                          "stream as llama.cpp's context here; an engine built for more picks the layouts that "
                          "pay off in batches, docs/measurements.md)")
+    ap.add_argument("--llamacpp-repack", choices=("on", "off"), default="on",
+                    help="llama.cpp's load-time repack of Q4_0/IQ4_NL/Q4_K weights into 8-row interleaved "
+                         "copies (its CPU_REPACK buffer, on by default); off: it reads the file's blocks in "
+                         "place, as localrun does")
     args = ap.parse_args()
 
     import llama_cpp
+    import llama_cpp.llama_cpp as llama_lib
     import torch
 
     from localrun import LLM
@@ -100,8 +105,18 @@ def main():
     path = resolve_model(args.model)
     llm = LLM(path, n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_threads=args.threads, dtype=args.dtype,
               kv_type=args.kv_type, prompt_math=args.prompt_math, n_parallel=args.parallel)
-    ref = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_batch=512,
-                          n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    defaults = llama_lib.llama_model_default_params
+    if args.llamacpp_repack == "off":      # Llama() takes its model parameters from this function
+        def no_repack():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+        llama_lib.llama_model_default_params = no_repack
+    try:
+        ref = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.gen_tokens + 8, n_batch=512,
+                              n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    finally:
+        llama_lib.llama_model_default_params = defaults
     ids = prompt_ids(llm, args.prompt_tokens)
     bench_localrun(llm, ids[:64], 4)              # warm-up both
     bench_llama_cpp(ref, ids[:64], 4)
@@ -128,6 +143,7 @@ def main():
         "sampling": f"top-k 40, top-p 0.95, min-p 0.05, temperature {TEMPERATURE}" if args.sampled else "greedy",
         "localrun_dtype": str(llm.dtype).replace("torch.", ""), "localrun_kv_type": llm.engine.kv_type,
         "localrun_prompt_math": args.prompt_math, "localrun_parallel": args.parallel,
+        "llamacpp_repack": args.llamacpp_repack,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "localrun_prefill_tok_s": round(best["localrun"][0], 1),
         "llamacpp_prefill_tok_s": round(best["llama.cpp"][0], 1),
