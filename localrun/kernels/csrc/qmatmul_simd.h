@@ -814,6 +814,9 @@ static void tile_rows(const __m256i* tq, const float* tab, const QX& qx, int64_t
     store_lanes<R>(acc, m0, y, ldy, n0, rows);
 }
 
+template <int QT> constexpr bool ROW_READ = QT == Q4_K || QT == Q5_K || QT == Q6_K;
+template <int QT> constexpr int SB_BYTES = QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
+
 // The same products for a call of few activation rows (R <= DIRECT_MAX_ROWS: one pass over the
 // tile would be all its use): each group (K-quants: super-block) of the 8
 // weight rows decoded and used at once, while it is in registers and L1, instead of decoding all
@@ -863,8 +866,6 @@ static inline __m512i sums8_by_lane(const __m512i* p) {
     return _mm512_add_epi32(lo, hi);
 }
 
-template <int QT> constexpr bool ROW_READ = QT == Q4_K || QT == Q5_K || QT == Q6_K;
-template <int QT> constexpr int SB_BYTES = QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
 
 // Q4_K / Q5_K: the exact integer sums of super-block u, chunks c and c + 1 (c even), of 8 weight
 // rows rp with the activation's bytes xu (the super-block's 256): lo = [group 2c | group 2c + 2]
@@ -974,17 +975,139 @@ static void direct_row_read(const uint8_t* w, int64_t row_bytes, int64_t n0, int
     store_lanes<1>(&acc, 0, y, ldy, n0, rows);
 }
 
+#else
+// ---- AVX2: one activation row times the K-quants, each weight row read straight through ----
+//
+// As the AVX-512 build's direct_row_read, on 256-bit registers: each weight row's 32 bytes of
+// codes hold two groups (Q4_K/Q5_K: a chunk's low and high nibbles; Q6_K: one 32-byte run of low
+// bits, nibbles of groups k and k + 2 of a half), decoded as for_each_group does and multiplied
+// by the activation's two groups (maddubs, then madd into 8 int32 partial sums: exact, STEPS
+// bounds the int16 pair sums); the 8 rows' registers are added across and transposed into lane
+// i = row i (a pair of rows at a time as they come, then sums8_halves), and lane_group's float
+// steps follow in group order, so a row's result is the lane kernels' bits (tile_rows,
+// direct_rows of more rows, the AVX-512 build). No 8 x 8 word transpositions of the codes, no
+// tile stored and loaded again, and one load of an activation group for the 8 rows where the
+// lanes broadcast its 4 bytes for every step. One process alternating the lane kernel and this
+// one (Zen 4 forced to AVX2, 2026-12-05), every matmul of a 1.1B Q4_K_M file at one row:
+// 0.85-0.87 of the time on 2 threads.
+
+// Rows 2k and 2k + 1's partial sums (8 int32 each, 4 per 128-bit half) added pairwise: per half
+// [row 2k, row 2k + 1, row 2k, row 2k + 1], parts 0 + 2 and 1 + 3.
+static inline __attribute__((always_inline)) __m256i sums2(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+// q[k] = sums2 of rows 2k, 2k + 1: each 128-bit half's sums by row, lo = [half 0 of rows 0..3 |
+// half 0 of rows 4..7] and hi the same of half 1 (exact integer additions).
+static inline __attribute__((always_inline)) void sums8_halves(const __m256i* q, __m256i& lo, __m256i& hi) {
+    const __m256i r0 = _mm256_add_epi32(_mm256_unpacklo_epi64(q[0], q[1]), _mm256_unpackhi_epi64(q[0], q[1]));   // rows 0..3
+    const __m256i r1 = _mm256_add_epi32(_mm256_unpacklo_epi64(q[2], q[3]), _mm256_unpackhi_epi64(q[2], q[3]));   // rows 4..7
+    lo = _mm256_permute2x128_si256(r0, r1, 0x20);
+    hi = _mm256_permute2x128_si256(r0, r1, 0x31);
+}
+
+// The exact integer sums of two groups (A, B) of super-block u of 8 weight rows against the
+// activation's groups xa, xb: run r of the row's codes (Q4_K/Q5_K: chunk r, A its low nibbles,
+// B its high; Q6_K: half r / 2, low bits ql[r % 2], A group 4h + r % 2, B group 4h + r % 2 + 2).
+// Q4_K/Q5_K: sa, sb[0] the groups' sums by row; Q6_K: sa[0..1], sb[0..1] each group's halves.
+template <int QT>
+static inline __attribute__((always_inline)) void run_sums(const uint8_t* const* rp, int64_t u, int r, __m256i xa,
+                                                           __m256i xb, __m256i* sa, __m256i* sb) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i qa[4], qb[4];
+    for (int k = 0; k < 4; k++) {
+        __m256i pa[2], pb[2];
+        for (int e = 0; e < 2; e++) {
+            const uint8_t* blk = rp[2 * k + e] + u * SB_BYTES<QT>;
+            __m256i ca, cb;
+            if constexpr (QT == Q6_K) {
+                const int h = r / 2, k2 = r % 2;
+                const __m256i ql = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * k2));
+                const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+                const __m256i m30 = _mm256_set1_epi8(0x30);      // qh bits 2k of group k, moved to bits 4-5
+                const __m256i ha = k2 == 0 ? _mm256_slli_epi16(qh, 4) : _mm256_slli_epi16(qh, 2);
+                const __m256i hb = k2 == 0 ? qh : _mm256_srli_epi16(qh, 2);
+                ca = _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(ha, m30));
+                cb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), low4), _mm256_and_si256(hb, m30));
+            } else {
+                constexpr int qs_at = QT == Q4_K ? 16 : 48;
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + qs_at + 32 * r));
+                ca = _mm256_and_si256(v, low4);
+                cb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                if constexpr (QT == Q5_K) {      // bit j of qh byte l: the fifth bit of value l of group j (2r, 2r + 1)
+                    const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16)), one = _mm256_set1_epi8(1);
+                    ca = _mm256_or_si256(ca, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), one), 4));
+                    cb = _mm256_or_si256(cb, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * r + 1), one), 4));
+                }
+            }
+            pa[e] = _mm256_madd_epi16(_mm256_maddubs_epi16(ca, xa), ones);
+            pb[e] = _mm256_madd_epi16(_mm256_maddubs_epi16(cb, xb), ones);
+        }
+        qa[k] = sums2(pa[0], pa[1]);
+        qb[k] = sums2(pb[0], pb[1]);
+    }
+    sums8_halves(qa, sa[0], sa[1]);
+    sums8_halves(qb, sb[0], sb[1]);
+    if constexpr (QT != Q6_K) {
+        sa[0] = _mm256_add_epi32(sa[0], sa[1]);
+        sb[0] = _mm256_add_epi32(sb[0], sb[1]);
+    }
+}
+
+template <int QT>
+static void direct_row_read(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows, const QX& qx, float* y,
+                            int64_t ldy, int64_t next_rows) {
+    const int64_t G = qx.K / 32, units = G / 8;
+    const uint8_t* rp[8];
+    for (int i = 0; i < 8; i++) rp[i] = w + (n0 + std::min(i, rows - 1)) * row_bytes;
+    const uint8_t* x = (const uint8_t*)qx.qs;
+    const NextTile next(w, row_bytes, n0, next_rows, units);
+    touch_lines(w + n0 * row_bytes, rows * row_bytes);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; u++) {
+        next.prefetch<_MM_HINT_T1>(u);
+        alignas(32) float ab[32 * 8];
+        const uint8_t* xu = x + 256 * u;
+        auto xg = [&](int j) { return _mm256_loadu_si256((const __m256i*)(xu + 32 * j)); };
+        if constexpr (QT == Q6_K) {
+            scales8_q6k(rp, u, ab);
+            for (int h = 0; h < 2; h++) {
+                __m256i s[4][2];                       // groups 4h + k, halves 0 and 1, rows 0..7
+                run_sums<QT>(rp, u, 2 * h, xg(4 * h), xg(4 * h + 2), s[0], s[2]);
+                run_sums<QT>(rp, u, 2 * h + 1, xg(4 * h + 1), xg(4 * h + 3), s[1], s[3]);
+                for (int k = 0; k < 4; k++) {
+                    const int j = 4 * h + k, g = 8 * (int)u + j;
+                    const __m256 d = _mm256_broadcast_ss(qx.d + g);
+                    const float* sh = qx.sxh + 2 * g;
+                    lane_scaled(acc, s[k][0], ab + 32 * j, d);
+                    lane_scaled(acc, s[k][1], ab + 32 * j + 8, d);
+                    lane_offset(acc, ab + 32 * j + 16, sh);
+                    lane_offset(acc, ab + 32 * j + 24, sh + 1);
+                }
+            }
+        } else {
+            scales8_k4(rp, u, SB_BYTES<QT>, ab);
+            for (int c = 0; c < 4; c++) {              // chunk c: groups 2c (low nibbles), 2c + 1 (high)
+                __m256i s[2][2];
+                run_sums<QT>(rp, u, c, xg(2 * c), xg(2 * c + 1), s[0], s[1]);
+                for (int e = 0; e < 2; e++) {
+                    const int j = 2 * c + e, g = 8 * (int)u + j;
+                    lane_scaled(acc, s[e][0], ab + 32 * j, _mm256_broadcast_ss(qx.d + g));
+                    lane_offset(acc, ab + 32 * j + 16, qx.sxg + g);
+                }
+            }
+        }
+    }
+    store_lanes<1>(&acc, 0, y, ldy, n0, rows);
+}
 #endif
 
 template <int QT, int R>
 static void direct_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows, const QX& qx, float* y, int64_t ldy,
                         int64_t next_rows) {
-#ifdef LOCALRUN_VNNI
     if constexpr (R == 1 && ROW_READ<QT>) {
         direct_row_read<QT>(w, row_bytes, n0, rows, qx, y, ldy, next_rows);
         return;
     }
-#endif
     const int64_t G = qx.K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t* rp[8];
@@ -1269,7 +1392,8 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     // paths are the faster ones): one thread, a 2048 x 2048 Q4_K weight, us per row
     // at 2 .. 16 rows, direct 95 64 57 51 49 45 44 46 39 39 38 41 64 54 61, tiles 91 67 56 51 46
     // 44 42 43 40 38 37 36 35 35 34; Q6_K 6-16 rows 5-15% faster (2026-12-05, Zen 4). One row
-    // reads the rows straight through (direct_row_read). On AVX2 the two measured the same.
+    // reads the rows straight through (direct_row_read, in both builds). On AVX2 the two measured
+    // the same.
     const bool kq_tiles = UNIT_GROUPS<QT> == 8 && M > 1;
 #else
     const bool kq_tiles = false;
