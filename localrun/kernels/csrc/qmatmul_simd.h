@@ -975,6 +975,167 @@ static void direct_row_read(const uint8_t* w, int64_t row_bytes, int64_t n0, int
     store_lanes<1>(&acc, 0, y, ldy, n0, rows);
 }
 
+// ---- A few activation rows (2 .. ROW_READ_ROWS) times the K-quants, each weight row read once ----
+//
+// direct_row_read for R activation rows: each weight row's codes are decoded once and multiplied
+// against every row's bytes (R vpdpbusd), each activation row's partial sums reduced on their own
+// (a pair of weight rows at a time as they come), the float steps per row in lane_group's order:
+// the same bits as the lane kernels' (tile_rows) and one row's. Calls of 2-4 rows (a few
+// sequences decoding together, a speculative verify step) built 8-row tiles before (an 8 x 8 word
+// transposition of every chunk, the tile stored and loaded again). Every matmul of the 1.1B
+// Q4_K_M file in turn, one process alternating tiles and this (2 Zen 4 threads, 2026-12-05): 2 rows
+// 0.684 of the time (1 thread 0.649), 3 rows 0.77-0.79, 4 rows 0.90 (1 thread 0.90), 5 rows 1.107
+// (its 40 registers of partial sums spill), so 5 rows and more build tiles.
+constexpr int ROW_READ_ROWS = 4;
+
+// q[0..3] (pairs of weight rows 2k, 2k + 1, each pair's partial sums added as sums4_by_lane's
+// first step) -> [group A: rows 0..7 | group B: rows 0..7], as sums8_by_lane
+static inline __attribute__((always_inline)) __m512i pairs8_by_lane(const __m512i* q) {
+    const __m512i r0 = _mm512_add_epi32(_mm512_unpacklo_epi64(q[0], q[1]), _mm512_unpackhi_epi64(q[0], q[1]));
+    const __m512i r1 = _mm512_add_epi32(_mm512_unpacklo_epi64(q[2], q[3]), _mm512_unpackhi_epi64(q[2], q[3]));
+    const __m512i lo = _mm512_permutex2var_epi64(r0, _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), r1);
+    const __m512i hi = _mm512_permutex2var_epi64(r0, _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2), r1);
+    return _mm512_add_epi32(lo, hi);
+}
+static inline __attribute__((always_inline)) __m512i pair_sums(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+
+// k4_sums for R activation rows: lo[r], hi[r] as k4_sums' lo and hi for row r (xlo[r], xhi[r]).
+template <int QT, int R>
+static inline __attribute__((always_inline)) void k4_sums_rows(const uint8_t* const* rp, int64_t u, int c,
+                                                               const __m512i* xlo, const __m512i* xhi, __m512i* lo, __m512i* hi) {
+    constexpr int bytes = SB_BYTES<QT>, qs_at = QT == Q4_K ? 16 : 48;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i qlo[R][4], qhi[R][4];
+    for (int k = 0; k < 4; k++) {
+        __m512i pl[R][2], ph[R][2];
+        for (int e = 0; e < 2; e++) {
+            const uint8_t* blk = rp[2 * k + e] + u * bytes;
+            const __m512i v = _mm512_loadu_si512((const void*)(blk + qs_at + 32 * c));
+            __m512i l = _mm512_and_si512(v, low4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if constexpr (QT == Q5_K) {       // as k4_sums
+                const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+                const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1), one = _mm512_set1_epi8(1);
+                const __m512i slo = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 2)), 1);
+                const __m512i shi = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c + 1)), _mm256_set1_epi16((short)(2 * c + 3)), 1);
+                l = _mm512_or_si512(l, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh2, slo), one), 4));
+                h = _mm512_or_si512(h, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh2, shi), one), 4));
+            }
+            for (int r = 0; r < R; r++) {
+                pl[r][e] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l, xlo[r]);
+                ph[r][e] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), h, xhi[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            qlo[r][k] = pair_sums(pl[r][0], pl[r][1]);
+            qhi[r][k] = pair_sums(ph[r][0], ph[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        lo[r] = pairs8_by_lane(qlo[r]);
+        hi[r] = pairs8_by_lane(qhi[r]);
+    }
+}
+
+// q6k_sums for R activation rows: s[r][k] as q6k_sums' s[k] for row r (xa[r], xb[r]).
+template <int R>
+static inline __attribute__((always_inline)) void q6k_sums_rows(const uint8_t* const* rp, int64_t u, int h, const __m512i* xa,
+                                                                const __m512i* xb, __m512i (*s)[4]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    __m512i qa[R][4], qb[R][4];
+    for (int k = 0; k < 4; k++) {
+        __m512i pa[R][2], pb[R][2];
+        for (int e = 0; e < 2; e++) {
+            const uint8_t* blk = rp[2 * k + e] + u * 210;
+            const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+            const __m512i ca = _mm512_ternarylogic_epi32(ql, _mm512_and_si512(_mm512_sllv_epi16(qh, up), m30), low4, 0xEC);
+            const __m512i cb = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), _mm512_and_si512(_mm512_srlv_epi16(qh, down), m30),
+                                                         low4, 0xEC);
+            for (int r = 0; r < R; r++) {
+                pa[r][e] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ca, xa[r]);
+                pb[r][e] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cb, xb[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            qa[r][k] = pair_sums(pa[r][0], pa[r][1]);
+            qb[r][k] = pair_sums(pb[r][0], pb[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        for (int k2 = 0; k2 < 2; k2++) {          // as q6k_sums after sums4_by_lane
+            const __m512i* q = k2 ? qb[r] : qa[r];
+            const __m512i r0 = _mm512_add_epi32(_mm512_unpacklo_epi64(q[0], q[1]), _mm512_unpackhi_epi64(q[0], q[1]));
+            const __m512i r1 = _mm512_add_epi32(_mm512_unpacklo_epi64(q[2], q[3]), _mm512_unpackhi_epi64(q[2], q[3]));
+            s[r][2 * k2] = _mm512_permutex2var_epi64(r0, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), r1);
+            s[r][2 * k2 + 1] = _mm512_permutex2var_epi64(r0, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), r1);
+        }
+    }
+}
+
+template <int QT, int R>
+static void direct_rows_read(const uint8_t* w, int64_t row_bytes, int64_t n0, int rows, const QX& qx, float* y,
+                             int64_t ldy, int64_t next_rows) {
+    const int64_t G = qx.K / 32, units = G / 8;
+    const uint8_t* rp[8];
+    for (int i = 0; i < 8; i++) rp[i] = w + (n0 + std::min(i, rows - 1)) * row_bytes;
+    const NextTile next(w, row_bytes, n0, next_rows, units);
+    touch_lines(w + n0 * row_bytes, rows * row_bytes);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; u++) {
+        next.prefetch<_MM_HINT_T1>(u);
+        alignas(32) float ab[32 * 8];
+        const uint8_t* xu[R];
+        for (int r = 0; r < R; r++) xu[r] = (const uint8_t*)(qx.qs + r * qx.K) + 256 * u;
+        if constexpr (QT == Q6_K) {
+            scales8_q6k(rp, u, ab);
+            for (int h = 0; h < 2; h++) {
+                __m512i xa[R], xb[R], s[R][4];
+                for (int r = 0; r < R; r++) {
+                    xa[r] = _mm512_loadu_si512((const void*)(xu[r] + 128 * h));
+                    xb[r] = _mm512_loadu_si512((const void*)(xu[r] + 128 * h + 64));
+                }
+                q6k_sums_rows<R>(rp, u, h, xa, xb, s);
+                for (int r = 0; r < R; r++)
+                    for (int k = 0; k < 4; k++) {
+                        const int j = 4 * h + k, g = 8 * (int)u + j;
+                        const __m256 d = _mm256_broadcast_ss(qx.d + r * G + g);
+                        const float* sh = qx.sxh + r * 2 * G + 2 * g;
+                        lane_scaled(acc[r], _mm512_castsi512_si256(s[r][k]), ab + 32 * j, d);
+                        lane_scaled(acc[r], _mm512_extracti64x4_epi64(s[r][k], 1), ab + 32 * j + 8, d);
+                        lane_offset(acc[r], ab + 32 * j + 16, sh);
+                        lane_offset(acc[r], ab + 32 * j + 24, sh + 1);
+                    }
+            }
+        } else {
+            scales8_k4(rp, u, SB_BYTES<QT>, ab);
+            for (int c = 0; c < 4; c += 2) {
+                __m512i xlo[R], xhi[R], tlo[R], thi[R];
+                for (int r = 0; r < R; r++) {
+                    const __m512i x0 = _mm512_loadu_si512((const void*)(xu[r] + 64 * c));
+                    const __m512i x1 = _mm512_loadu_si512((const void*)(xu[r] + 64 * c + 64));
+                    xlo[r] = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(1, 0, 1, 0));
+                    xhi[r] = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 2, 3, 2));
+                }
+                k4_sums_rows<QT, R>(rp, u, c, xlo, xhi, tlo, thi);
+                for (int r = 0; r < R; r++)
+                    for (int e = 0; e < 4; e++) {
+                        const int j = 2 * c + e, g = 8 * (int)u + j;
+                        const __m512i t = e % 2 ? thi[r] : tlo[r];
+                        lane_scaled(acc[r], e < 2 ? _mm512_castsi512_si256(t) : _mm512_extracti64x4_epi64(t, 1), ab + 32 * j,
+                                    _mm256_broadcast_ss(qx.d + r * G + g));
+                        lane_offset(acc[r], ab + 32 * j + 16, qx.sxg + r * G + g);
+                    }
+            }
+        }
+    }
+    store_lanes<R>(acc, 0, y, ldy, n0, rows);
+}
+
 #else
 // ---- AVX2: one activation row times the K-quants, each weight row read straight through ----
 //
@@ -1108,6 +1269,12 @@ static void direct_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int row
         direct_row_read<QT>(w, row_bytes, n0, rows, qx, y, ldy, next_rows);
         return;
     }
+#ifdef LOCALRUN_VNNI
+    if constexpr (R > 1 && R <= ROW_READ_ROWS && ROW_READ<QT>) {
+        direct_rows_read<QT, R>(w, row_bytes, n0, rows, qx, y, ldy, next_rows);
+        return;
+    }
+#endif
     const int64_t G = qx.K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t* rp[8];
@@ -1392,9 +1559,9 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     // paths are the faster ones): one thread, a 2048 x 2048 Q4_K weight, us per row
     // at 2 .. 16 rows, direct 95 64 57 51 49 45 44 46 39 39 38 41 64 54 61, tiles 91 67 56 51 46
     // 44 42 43 40 38 37 36 35 35 34; Q6_K 6-16 rows 5-15% faster (2026-12-05, Zen 4). One row
-    // reads the rows straight through (direct_row_read, in both builds). On AVX2 the two measured
-    // the same.
-    const bool kq_tiles = UNIT_GROUPS<QT> == 8 && M > 1;
+    // reads the rows straight through (direct_row_read, in both builds), and so do 2-4 rows
+    // (direct_rows_read, AVX-512). On AVX2 the two measured the same.
+    const bool kq_tiles = UNIT_GROUPS<QT> == 8 && M > (ROW_READ<QT> ? ROW_READ_ROWS : 1);
 #else
     const bool kq_tiles = false;
 #endif
