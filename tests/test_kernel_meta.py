@@ -57,6 +57,8 @@ def test_every_op_of_a_decode_step_has_its_real_shapes_when_traced(tmp_path, arc
     path = write_tiny_model(tmp_path / f"{architecture}.gguf", architecture=architecture, tensor_type=tensor_type)
     model = LLM(path, dtype="float32", quantized=True, n_threads=1).model
     if not fused:
+        model.steps()
+        model.fused_steps = None
         for block in model.layers:
             block.fused_decode = None
     tokens, positions, paged, _ = decode_inputs(model)

@@ -481,6 +481,19 @@ class Transformer(nn.Module):
         self.freqs = self.rope_tables[0]                                  # the global table: (positions, hd/2)
         self.embedding_scale = config.n_embd ** 0.5 if config.arch.embedding_scale else None
         self.weight_format = "quantized" if quantized else "dequantized"
+        self.steps_of = None           # the layers fused_steps was found for (steps(): a draft replaces them)
+
+    def steps(self):
+        """Every block's decode step as one compiled call (FusedDecode) with its RoPE table, when
+        every block has one and all run in the embedding's device group, else None: a decode step
+        then calls them in a plain loop, with no module call and no Block.forward per layer (2% of
+        SmolLM2's one-sequence step). Found again when `layers` is replaced (self_draft); setting
+        `fused_steps` to None runs the blocks one by one."""
+        if self.steps_of is not self.layers:
+            steps = [(layer.fused_decode, 1 if layer.is_local else 0) for layer in self.layers]
+            usable = all(f is not None and layer.group == self.embedding_group for (f, _), layer in zip(steps, self.layers))
+            self.fused_steps, self.steps_of = (steps if usable else None), self.layers
+        return self.fused_steps
 
     def _head(self, build: WeightBuilder, dm: DeviceMap):
         if not self.config.tied_output:
@@ -510,11 +523,16 @@ class Transformer(nn.Module):
         x = x.to(self.dtype)
         freqs = self.rope_tables[:, positions]                               # (1 or 2, T, hd/2)
         group = self.embedding_group
-        for layer in self.layers:
-            if layer.group != group:
-                x, freqs = self.cross(x, freqs, layer.device)
-                group = layer.group
-            x = layer(x, freqs, segments, decode_rows, paged)
+        steps = self.steps()
+        if steps is not None and steps[0][0].applies(x, segments, decode_rows, paged):
+            for step, table in steps:                                        # Block.forward's fused branch
+                x = step(x, freqs[table], paged)
+        else:
+            for layer in self.layers:
+                if layer.group != group:
+                    x, freqs = self.cross(x, freqs, layer.device)
+                    group = layer.group
+                x = layer(x, freqs, segments, decode_rows, paged)
         if self.head_group != group:
             x, freqs = self.cross(x, freqs, self.head_device)
         if logits_rows is not None:
