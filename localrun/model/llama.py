@@ -481,7 +481,7 @@ class Transformer(nn.Module):
         self.freqs = self.rope_tables[0]                                  # the global table: (positions, hd/2)
         self.embedding_scale = config.n_embd ** 0.5 if config.arch.embedding_scale else None
         self.weight_format = "quantized" if quantized else "dequantized"
-        self.steps_of = None           # the layers fused_steps was found for (steps(): a draft replaces them)
+        self.fused_steps, self.steps_of = None, None   # steps(), and the layers they were found for
 
     def steps(self):
         """Every block's decode step as one compiled call (FusedDecode) with its RoPE table, when
