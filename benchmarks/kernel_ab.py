@@ -4,10 +4,12 @@ the processes alternating A, B, A, B, ... so that a drift of the host lands on b
 
 A and B are git revisions of localrun/kernels/csrc (--a, default HEAD) or "." for the working
 tree (--b, default); each is built once (localrun/kernels/build.py, keyed by its sources) and
-loaded through LOCALRUN_KERNEL_LIBRARY. Everything else (the model code, the engine) is the
-working tree's, so only the kernels differ. Per round and version, one process builds the
-model for max(--sizes) sequences and, for each size S, prefills S prompts of --context tokens
-(benchmarks/batched_decode.py's workload) and times --steps decode steps: median step, ms.
+loaded through LOCALRUN_KERNEL_LIBRARY. --isa-a / --isa-b run a side with LOCALRUN_ISA set
+(e.g. --a . --isa-a avx2 --isa-b avxvnni: one build, two instruction sets). Everything else
+(the model code, the engine) is the working tree's, so only the kernels differ. Per round and
+version, one process builds the model for max(--sizes) sequences and, for each size S,
+prefills S prompts of --context tokens (benchmarks/batched_decode.py's workload: timed too,
+each prompt to its first token) and times --steps decode steps: median step, ms.
 
 On these 2-core VMs one run of either version moves by 10-30% between processes; a change
 under that size shows only as the medians over several rounds (--rounds), which this prints
@@ -68,13 +70,15 @@ def child(args) -> None:
         engine = LLMEngine(llm.model, max_model_len=args.context + args.steps + 64, max_num_seqs=s,
                            max_num_batched_tokens=2048, enable_prefix_caching=args.shared_prefix > 0)
         params = SamplingParams(max_tokens=args.steps + 32, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
         start(engine, work[:s], params, args.shared_prefix)
+        result[f"prefill_{s}"] = (time.perf_counter() - t0) * 1e3
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
-        result[s] = statistics.median(times) * 1e3
+        result[f"step_{s}"] = statistics.median(times) * 1e3
     print(json.dumps(result))
 
 
@@ -91,6 +95,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="the first N tokens of --context are the same in every prompt, cached once")
+    ap.add_argument("--isa-a", default=None, help="LOCALRUN_ISA for side a (default: as the environment sets it)")
+    ap.add_argument("--isa-b", default=None, help="LOCALRUN_ISA for side b")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not 0 <= args.shared_prefix < args.context:
@@ -117,29 +123,37 @@ def main():
     for r in range(args.rounds):
         for side in ("a", "b"):
             env = {**os.environ, "LOCALRUN_KERNEL_LIBRARY": str(libraries[side])}
+            isa = getattr(args, f"isa_{side}")
+            if isa:
+                env["LOCALRUN_ISA"] = isa
             done = subprocess.run([sys.executable, __file__, *forward, "--child", side], env=env,
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"kernel_ab: the {side} run failed: {done.stderr.strip()[-800:]}")
-            step = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
-            runs[side].append(step)
-            print(f"round {r + 1} {side}: " + ", ".join(f"{s} seq {step[s]:.1f} ms" for s in sizes), file=sys.stderr)
+            times = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[side].append(times)
+            print(f"round {r + 1} {side}: " + ", ".join(f"{s} seq {times[f'step_{s}']:.1f} ms" for s in sizes),
+                  file=sys.stderr)
 
-    print(f"kernels a = {args.a}, b = {args.b}; {args.model}, {args.threads} threads, context {args.context} "
+    label = {side: rev + (f" (LOCALRUN_ISA={isa})" if isa else "")
+             for side, rev, isa in (("a", args.a, args.isa_a), ("b", args.b, args.isa_b))}
+    print(f"kernels a = {label['a']}, b = {label['b']}; {args.model}, {args.threads} threads, context {args.context} "
           f"(shared prefix {args.shared_prefix}), "
           f"median of {args.steps} decode steps per process, {args.rounds} alternated rounds")
-    print("| sequences | a: median step (ms) | a: range | b: median step (ms) | b: range | b / a |")
-    print("|---|---|---|---|---|---|")
-    result = {"benchmark": "kernel_ab", "cpu": cpu_info(), "a": args.a, "b": args.b, "model": args.model,
-              "threads": args.threads, "context": args.context, "shared_prefix": args.shared_prefix, "steps": args.steps,
-              "rounds": args.rounds}
-    for s in sizes:
-        a = [run[s] for run in runs["a"]]
-        b = [run[s] for run in runs["b"]]
-        ma, mb = statistics.median(a), statistics.median(b)
-        print(f"| {s} | {ma:.1f} | {min(a):.1f}-{max(a):.1f} | {mb:.1f} | {min(b):.1f}-{max(b):.1f} | {mb / ma:.3f} |")
-        result[f"step_ms_a_{s}"], result[f"step_ms_b_{s}"] = round(ma, 2), round(mb, 2)
-        result[f"b_over_a_{s}"] = round(mb / ma, 3)
+    result = {"benchmark": "kernel_ab", "cpu": cpu_info(), "a": args.a, "b": args.b, "isa_a": args.isa_a,
+              "isa_b": args.isa_b, "model": args.model, "threads": args.threads, "context": args.context,
+              "shared_prefix": args.shared_prefix, "steps": args.steps, "rounds": args.rounds}
+    for what, key, out in (("median decode step", "step", "step_ms"), ("prefill, every prompt to its first token",
+                                                                        "prefill", "prefill_ms")):
+        print(f"| sequences | a: {what} (ms) | a: range | b: {what} (ms) | b: range | b / a |")
+        print("|---|---|---|---|---|---|")
+        for s in sizes:
+            a = [run[f"{key}_{s}"] for run in runs["a"]]
+            b = [run[f"{key}_{s}"] for run in runs["b"]]
+            ma, mb = statistics.median(a), statistics.median(b)
+            print(f"| {s} | {ma:.1f} | {min(a):.1f}-{max(a):.1f} | {mb:.1f} | {min(b):.1f}-{max(b):.1f} | {mb / ma:.3f} |")
+            result[f"{out}_a_{s}"], result[f"{out}_b_{s}"] = round(ma, 2), round(mb, 2)
+            result[f"{key}_b_over_a_{s}" if key == "prefill" else f"b_over_a_{s}"] = round(mb / ma, 3)
     print(json.dumps(result))
 
 

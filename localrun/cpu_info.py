@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 # The flags that decide which kernels run, named as /proc/cpuinfo names them.
-FLAGS_THAT_MATTER = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
+FLAGS_THAT_MATTER = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16",
                      "amx_tile", "amx_int8", "amx_bf16")
 
 

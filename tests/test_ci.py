@@ -51,5 +51,6 @@ def test_kernels_run_on_this_cpu_without_silent_fallback():
         pytest.skip("this CPU has no AVX2")
     assert kernels.available(), "the compiled kernels did not load on this CPU"
     forced = os.environ.get("LOCALRUN_ISA")
-    expected = forced or ("avx512" if flags.get("avx512f") and flags.get("avx512_vnni") else "avx2")
+    expected = forced or ("avx512" if flags.get("avx512f") and flags.get("avx512_vnni")
+                          else "avxvnni" if flags.get("avx_vnni") else "avx2")
     assert kernels.isa() == expected, (kernels.isa(), flags)

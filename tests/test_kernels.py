@@ -212,11 +212,20 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", "ref"])
+def runs_avxvnni() -> bool:
+    """Whether LOCALRUN_ISA=avxvnni runs here: AVX-VNNI (VEX), or AVX-512 VNNI (its EVEX twin)."""
+    flags = cpu_info()["flags"]
+    return bool(flags.get("avx2") and (flags.get("avx_vnni") or (flags.get("avx512f") and flags.get("avx512_vnni"))))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "ref"])
 def test_forced_instruction_sets(isa):
-    """The AVX2 path (forced on an AVX-512 host) and the scalar reference give the same results."""
+    """The AVX2 path (forced on an AVX-512 host), the AVX-VNNI one (on an AVX-512 host, through
+    vpdpbusd's EVEX form) and the scalar reference give the same results."""
     if isa == "avx2" and not cpu_info()["flags"].get("avx2"):
         pytest.skip("this CPU has no AVX2")
+    if isa == "avxvnni" and not runs_avxvnni():
+        pytest.skip("this CPU has neither AVX-VNNI nor AVX-512 VNNI")
     env = {**os.environ, "LOCALRUN_ISA": isa}
     out = subprocess.run([sys.executable, "-c", ISA_SCRIPT, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=120)
@@ -231,32 +240,40 @@ import hashlib, sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 from test_kernels import TYPES, random_blocks, shapes_for
 from localrun import kernels
-h = hashlib.md5()
-for qtype, (n, k) in [(t, s) for t in TYPES if t.name != "Q8_0" for s in shapes_for(t)]:
-    x = np.random.default_rng(2).standard_normal((37, k)).astype(np.float32)
-    for rows in (37, 13, 3, 1):      # AVX-512: two tiles per register; the tile; decoded and used at once
-        y = kernels.qmatmul(torch.from_numpy(x[:rows]), [torch.from_numpy(random_blocks(qtype, n, k))],
-                            [int(qtype) | kernels.LANES])
-        h.update(y.numpy().tobytes())
-print(kernels.isa(), h.hexdigest())
+digests = []
+for lanes in (kernels.LANES, 0):     # the lane layout (not Q8_0), then the rows layout (every type)
+    h = hashlib.md5()
+    for qtype, (n, k) in [(t, s) for t in TYPES if lanes == 0 or t.name != "Q8_0" for s in shapes_for(t)]:
+        x = np.random.default_rng(2).standard_normal((37, k)).astype(np.float32)
+        for rows in (37, 13, 3, 1):      # AVX-512: two tiles per register; the tile; decoded and used at once
+            y = kernels.qmatmul(torch.from_numpy(x[:rows]), [torch.from_numpy(random_blocks(qtype, n, k))],
+                                [int(qtype) | lanes])
+            h.update(y.numpy().tobytes())
+    digests.append(h.hexdigest())
+print(kernels.isa(), *digests)
 """
 
 
-def test_lanes_give_the_same_bits_on_avx2_and_avx512():
-    """The lane layout's integer sums are exact in AVX2 (maddubs + madd) and in AVX-512 VNNI
-    (vpdpbusd), and the float steps are the same instructions, so a lane type's product is the
-    same bits on either instruction set: an AVX2 host and an AVX-512 one decode alike."""
-    if kernels.isa() != "avx512":
-        pytest.skip("this host does not run the AVX-512 kernels")
+def test_lanes_give_the_same_bits_on_every_instruction_set():
+    """The lane layout's integer sums are exact in AVX2 (maddubs + madd), AVX-VNNI and AVX-512
+    VNNI (vpdpbusd), and the float steps are the same instructions, so a lane type's product is
+    the same bits on each instruction set: an AVX2 host, an AVX-VNNI one and an AVX-512 one decode
+    alike. The AVX-VNNI kernels are AVX2's with vpdpbusd for maddubs + madd, so their rows layout
+    gives AVX2's bits too (AVX-512's rows kernels are its own)."""
+    isas = ["avx2"] + (["avxvnni"] if runs_avxvnni() else []) + (["avx512"] if kernels.isa() == "avx512" else [])
+    if len(isas) < 2:
+        pytest.skip("this host runs the AVX2 kernels only")
     runs = {}
-    for isa in ("avx2", "avx512"):
+    for isa in isas:
         out = subprocess.run([sys.executable, "-c", LANES_SCRIPT, os.path.dirname(__file__)],
                              env={**os.environ, "LOCALRUN_ISA": isa}, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
-        got_isa, digest = out.stdout.split()
+        got_isa, lanes, rows = out.stdout.split()
         assert got_isa == isa
-        runs[isa] = digest
-    assert runs["avx2"] == runs["avx512"], runs
+        runs[isa] = (lanes, rows)
+    assert len({lanes for lanes, _ in runs.values()}) == 1, runs
+    if "avxvnni" in runs:
+        assert runs["avxvnni"][1] == runs["avx2"][1], runs
 
 
 def test_unknown_isa_is_refused():
@@ -644,6 +661,7 @@ def test_small_ops_rows_are_their_own_on_every_instruction_set():
     row's bits are the same alone and in calls of 2-33 rows, and the same on AVX-512, AVX2 and
     the scalar baseline."""
     isas = ["avx512", "avx2", "ref"] if cpu_info()["flags"].get("avx512_vnni") else ["avx2", "ref"]
+    isas += ["avxvnni"] if runs_avxvnni() else []
     if not cpu_info()["flags"].get("avx2"):
         isas = ["ref"]
     digests = {}

@@ -214,7 +214,7 @@ def test_lane_layout_engine_equals_each_request_alone(tiny_gguf, tensor_type):
     model = LLM(tiny_gguf(tensor_type, tied_output=False), dtype="float32", quantized=True, n_threads=1,
                 n_parallel=8).model
     wqkv = model.layers[0].attention.wqkv
-    assert bool(lane_types(8)) == (kernels.isa() in ("avx2", "avx512"))
+    assert bool(lane_types(8)) == (kernels.isa() in ("avx2", "avxvnni", "avx512"))
     assert all(bool(t & kernels.LANES) == (q in lane_types(8)) for t, q in zip(wqkv.kernel_types, wqkv.qtypes))
     assert (kernels.KERNEL_TYPES["Q8_0"] in lane_types(8)) == (kernels.isa() == "avx512")
     assert kernels.KERNEL_TYPES["Q8_0"] not in lane_types(1)

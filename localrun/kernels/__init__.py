@@ -16,8 +16,10 @@
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
 The library is compiled by set-up (`python -m localrun.kernels.build`); if it is missing it is
 compiled on first use. LOCALRUN_NO_KERNELS=1 turns the kernels off (torch's path runs, with a
-warning), LOCALRUN_ISA=avx512|avx2|ref forces an instruction set, and LOCALRUN_KERNEL_LIBRARY=path
-loads that library instead (another build of the kernels: benchmarks/kernel_ab.py).
+warning), LOCALRUN_ISA=avx512|avxvnni|avx2|ref forces an instruction set (avxvnni on an
+AVX-512 host without AVX-VNNI: the same kernels through vpdpbusd's EVEX form), and
+LOCALRUN_KERNEL_LIBRARY=path loads that library instead (another build of the kernels:
+benchmarks/kernel_ab.py).
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def signature() -> str:
 
 
 def isa() -> str | None:
-    """The instruction set the kernels run ('avx512', 'avx2', 'ref'), or None without kernels."""
+    """The instruction set the kernels run ('avx512', 'avxvnni', 'avx2', 'ref'), or None without kernels."""
     return torch.ops.localrun.isa() if available() else None
 
 

@@ -29,6 +29,10 @@ SOURCES = {   # file -> extra flags
     "topk.cpp": [],
     "prompt_attention.cpp": [],
     "qmatmul_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else None,
+    "qmatmul_avxvnni.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"] if X86 else None,
+    # the AVX-VNNI kernels through vpdpbusd's EVEX form, kept to the 16 registers a VEX build has
+    "qmatmul_avxvnni_evex.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512vl", "-mavx512vnni",
+                                 *(f"-ffixed-xmm{i}" for i in range(16, 32))] if X86 else None,
     "qmatmul_avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
     if X86 else None,
 }
@@ -47,7 +51,7 @@ def _key(csrc: Path = CSRC) -> str:
     h = hashlib.sha256()
     for path in sorted(csrc.iterdir()):
         h.update(path.name.encode() + path.read_bytes())
-    h.update(f"{torch.__version__} {_compiler()} {sys.version_info[:2]} {COMMON_FLAGS}".encode())
+    h.update(f"{torch.__version__} {_compiler()} {sys.version_info[:2]} {COMMON_FLAGS} {SOURCES}".encode())
     return h.hexdigest()[:16]
 
 
@@ -76,6 +80,11 @@ def build(quiet: bool = False, csrc: Path = CSRC) -> Path:
     torch_lib = Path(torch.__file__).parent / "lib"
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        sources = dict(SOURCES)
+        if not _accepts("-mavxvnni"):     # GCC before 11: AVX-VNNI CPUs run the AVX2 kernels
+            print("[kernels] this compiler has no -mavxvnni: AVX-VNNI CPUs will run the AVX2 kernels", file=sys.stderr)
+            sources["qmatmul_avxvnni.cpp"] = [*SOURCES["qmatmul_avx2.cpp"], "-DLOCALRUN_AVXVNNI_AS_AVX2"]
+
         def compile_one(name: str, flags: list[str]) -> str:
             obj = Path(tmp) / (name + ".o")
             if not quiet:
@@ -85,12 +94,21 @@ def build(quiet: bool = False, csrc: Path = CSRC) -> Path:
             return str(obj)
 
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:     # one compiler per core
-            objects = list(pool.map(lambda item: compile_one(*item), SOURCES.items()))
+            objects = list(pool.map(lambda item: compile_one(*item), sources.items()))
         out = Path(tmp) / target.name
         _run([_compiler(), "-shared", "-fopenmp", *objects, f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
               f"-Wl,-rpath,{torch_lib}", "-o", str(out)])
         os.replace(out, target)
     return target
+
+
+def _accepts(flag: str) -> bool:
+    """Whether the compiler takes this flag (an empty translation unit compiled with it)."""
+    try:
+        return subprocess.run([_compiler(), flag, "-x", "c++", "-c", "-o", os.devnull, "-"], input="",
+                              capture_output=True, text=True).returncode == 0
+    except FileNotFoundError:
+        return False
 
 
 def _run(cmd: list[str]) -> None:

@@ -61,11 +61,12 @@ def lane_types(n_parallel: int) -> frozenset[int]:
     every engine (LANES_MIN_PARALLEL = 1) uses them on AVX2. One engine uses one layout for every
     call, so a row's result never depends on what shares its step (the two layouts differ by
     summation order). AVX-512 hosts run the same lane kernel with VNNI's vpdpbusd for the steps
-    (the same bits as AVX2's: the integer sums are exact either way); see docs/kernels.md. Q8_0 has
+    (the same bits as AVX2's: the integer sums are exact either way), and AVX-VNNI hosts the AVX2
+    kernels with vpdpbusd (the same bits again); see docs/kernels.md. Q8_0 has
     lanes on AVX-512 only (VNNI), taken from 2 sequences on, where they beat the rows (one
     sequence is slower in lanes: gemma-3's 262k-row Q8_0 head; docs/measurements.md)."""
     isa = kernels.isa()
-    if n_parallel < LANES_MIN_PARALLEL or isa not in ("avx2", "avx512"):
+    if n_parallel < LANES_MIN_PARALLEL or isa not in ("avx2", "avxvnni", "avx512"):
         return frozenset()
     types = {kernels.KERNEL_TYPES[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
     if isa == "avx512" and n_parallel >= Q8_0_LANES_MIN_PARALLEL:

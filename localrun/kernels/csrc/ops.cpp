@@ -6,7 +6,7 @@
 //                                         the prompt rows' path below the GEMM's threshold
 //   isa() -> str                          the instruction set the kernels dispatch to
 // The instruction set is chosen once from the CPU's features, or forced with LOCALRUN_ISA=
-// avx512|avx2|ref. Work is split over weight rows with at::parallel_for (torch's thread pool).
+// avx512|avxvnni|avx2|ref. Work is split over weight rows with at::parallel_for (torch's thread pool).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,47 +18,79 @@
 #include "ref.h"
 
 namespace localrun {
-namespace avx2 {
-bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t, bool);
-bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*, float*, float*);
-bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
-}
-namespace avx512 {
-bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t, bool);
-bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*, float*, float*);
-bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
-}
+// Each instruction set's build of qmatmul_simd.h (qmatmul_<isa>.cpp), in its own namespace
+#define LOCALRUN_SIMD_DECLS                                                                                              \
+    bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t, bool);         \
+    bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t); \
+    void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*, float*, float*); \
+    bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+namespace avx2 { LOCALRUN_SIMD_DECLS }
+namespace avxvnni { LOCALRUN_SIMD_DECLS }
+namespace avxvnni_evex { LOCALRUN_SIMD_DECLS }
+namespace avx512 { LOCALRUN_SIMD_DECLS }
 
 namespace {
 
-enum class Isa { Ref, Avx2, Avx512 };
+enum class Isa { Ref, Avx2, AvxVnni, Avx512 };
 
-Isa detect_isa() {
+// One instruction set's kernels (nullptr: the scalar reference, ref.h)
+struct Simd {
+    decltype(&avx2::matmul_rows) matmul_rows;
+    decltype(&avx2::matmul_rows_f32) matmul_rows_f32;
+    decltype(&avx2::quantize_rows) quantize_rows;
+    decltype(&avx2::dequantize_rows) dequantize_rows;
+};
+#define LOCALRUN_SIMD(ns) Simd{&ns::matmul_rows, &ns::matmul_rows_f32, &ns::quantize_rows, &ns::dequantize_rows}
+
+struct Chosen {
+    Isa isa;
+    const Simd* simd;
+};
+
+// AVX-512 (F/BW/VL/DQ + VNNI) where the CPU has it, else AVX-VNNI (the AVX2 kernels with
+// vpdpbusd: Intel client cores from Alder Lake on), else AVX2, else the scalar reference.
+// LOCALRUN_ISA=avxvnni on a CPU without AVX-VNNI but with AVX-512 VNNI runs the same kernels
+// through vpdpbusd's EVEX form (qmatmul_avxvnni_evex.cpp), so an AVX-512 host tests that path.
+Chosen detect_isa() {
+    static const Simd avx2_k = LOCALRUN_SIMD(avx2), avxvnni_k = LOCALRUN_SIMD(avxvnni),
+                      avxvnni_evex_k = LOCALRUN_SIMD(avxvnni_evex), avx512_k = LOCALRUN_SIMD(avx512);
     const char* forced = std::getenv("LOCALRUN_ISA");
     __builtin_cpu_init();
     const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                             __builtin_cpu_supports("avx512vnni");
+    const bool has_avxvnni = has_avx2 && __builtin_cpu_supports("avxvnni");
+    const Chosen avx512{Isa::Avx512, &avx512_k}, avx2{Isa::Avx2, &avx2_k}, ref{Isa::Ref, nullptr};
+    const Chosen avxvnni{Isa::AvxVnni, has_avxvnni ? &avxvnni_k : &avxvnni_evex_k};
     if (forced && *forced) {
         std::string f(forced);
-        if (f == "ref") return Isa::Ref;
-        if (f == "avx2") { TORCH_CHECK(has_avx2, "LOCALRUN_ISA=avx2 but this CPU lacks AVX2/FMA/F16C"); return Isa::Avx2; }
-        if (f == "avx512") { TORCH_CHECK(has_avx512, "LOCALRUN_ISA=avx512 but this CPU lacks AVX-512 VNNI"); return Isa::Avx512; }
-        TORCH_CHECK(false, "LOCALRUN_ISA must be avx512, avx2 or ref, got ", f);
+        if (f == "ref") return ref;
+        if (f == "avx2") { TORCH_CHECK(has_avx2, "LOCALRUN_ISA=avx2 but this CPU lacks AVX2/FMA/F16C"); return avx2; }
+        if (f == "avxvnni") {
+            TORCH_CHECK(has_avxvnni || has_avx512, "LOCALRUN_ISA=avxvnni but this CPU lacks AVX-VNNI (and AVX-512 VNNI)");
+            return avxvnni;
+        }
+        if (f == "avx512") { TORCH_CHECK(has_avx512, "LOCALRUN_ISA=avx512 but this CPU lacks AVX-512 VNNI"); return avx512; }
+        TORCH_CHECK(false, "LOCALRUN_ISA must be avx512, avxvnni, avx2 or ref, got ", f);
     }
-    return has_avx512 ? Isa::Avx512 : has_avx2 ? Isa::Avx2 : Isa::Ref;
+    return has_avx512 ? avx512 : has_avxvnni ? avxvnni : has_avx2 ? avx2 : ref;
 }
 
-Isa isa() {
-    static const Isa chosen = detect_isa();
-    return chosen;
+const Chosen& chosen() {
+    static const Chosen c = detect_isa();
+    return c;
 }
+Isa isa() { return chosen().isa; }
+const Simd* simd() { return chosen().simd; }
 
 std::string isa_name() {
-    switch (isa()) { case Isa::Avx512: return "avx512"; case Isa::Avx2: return "avx2"; default: return "ref"; }
+    switch (isa()) {
+        case Isa::Avx512: return "avx512";
+        case Isa::AvxVnni: return "avxvnni";
+        case Isa::Avx2: return "avx2";
+        default: return "ref";
+    }
 }
 
 // A weight's type with this bit set asks for the lane layout of the integer kernel (eight
@@ -85,12 +117,11 @@ constexpr int64_t QUANTIZE_SPLIT_ROWS = 8;
 void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_t* s, float* dxv, float* sxv,
               float* sxh, float* sxg) {
     auto body = [&](int64_t m0, int64_t m1) {
-        switch (isa()) {
-            case Isa::Avx512: avx512::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv, sxh, sxg); break;
-            case Isa::Avx2: avx2::quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv, sxh, sxg); break;
-            default:
-                for (int64_t m = m0; m < m1; m++)
-                    quantize_row_ref(x + m * K, K, qs + m * K, d + m * (K / 32), s + m * (K / 16));
+        if (const Simd* k = simd()) {
+            k->quantize_rows(x, K, m0, m1, qs, d, s, dxv, sxv, sxh, sxg);
+        } else {
+            for (int64_t m = m0; m < m1; m++)
+                quantize_row_ref(x + m * K, K, qs + m * K, d + m * (K / 32), s + m * (K / 16));
         }
     };
     if (M < QUANTIZE_SPLIT_ROWS && M * K < 65536) body(0, M); else at::parallel_for(0, M, 1, body);
@@ -98,30 +129,27 @@ void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_
 
 void matmul_range(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
                   float* y, int64_t ldy, bool lanes) {
-    switch (isa()) {
-        case Isa::Avx512: avx512::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy, lanes); return;
-        case Isa::Avx2: avx2::matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy, lanes); return;
-        default:
-            for (int64_t n = n0; n < n1; n++)
-                for (int64_t m = 0; m < M; m++) y[m * ldy + n] = dot_row_ref(qtype, w + n * row_bytes, qx, m);
+    if (const Simd* k = simd()) {
+        k->matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy, lanes);
+        return;
     }
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) y[m * ldy + n] = dot_row_ref(qtype, w + n * row_bytes, qx, m);
 }
 
 void matmul_range_f32(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* x, int64_t K,
                       int64_t M, float* y, int64_t ldy) {
-    switch (isa()) {
-        case Isa::Avx512: avx512::matmul_rows_f32(qtype, w, row_bytes, n0, n1, x, K, M, y, ldy); return;
-        case Isa::Avx2: avx2::matmul_rows_f32(qtype, w, row_bytes, n0, n1, x, K, M, y, ldy); return;
-        default: {
-            std::vector<float> row(K);
-            for (int64_t n = n0; n < n1; n++) {
-                dequantize_row_ref(qtype, w + n * row_bytes, K, row.data());
-                for (int64_t m = 0; m < M; m++) {
-                    double sum = 0.0;
-                    for (int64_t k = 0; k < K; k++) sum += (double)row[k] * x[m * K + k];
-                    y[m * ldy + n] = (float)sum;
-                }
-            }
+    if (const Simd* k = simd()) {
+        k->matmul_rows_f32(qtype, w, row_bytes, n0, n1, x, K, M, y, ldy);
+        return;
+    }
+    std::vector<float> row(K);
+    for (int64_t n = n0; n < n1; n++) {
+        dequantize_row_ref(qtype, w + n * row_bytes, K, row.data());
+        for (int64_t m = 0; m < M; m++) {
+            double sum = 0.0;
+            for (int64_t k = 0; k < K; k++) sum += (double)row[k] * x[m * K + k];
+            y[m * ldy + n] = (float)sum;
         }
     }
 }
@@ -277,11 +305,10 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
     const uint8_t* src = w.data_ptr<uint8_t>();
     float* dst = out.data_ptr<float>();
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        switch (isa()) {
-            case Isa::Avx512: avx512::dequantize_rows((int)qtype, src, row_bytes, K, n0, n1, dst); break;
-            case Isa::Avx2: avx2::dequantize_rows((int)qtype, src, row_bytes, K, n0, n1, dst); break;
-            default:
-                for (int64_t n = n0; n < n1; n++) dequantize_row_ref((int)qtype, src + n * row_bytes, K, dst + n * K);
+        if (const Simd* k = simd()) {
+            k->dequantize_rows((int)qtype, src, row_bytes, K, n0, n1, dst);
+        } else {
+            for (int64_t n = n0; n < n1; n++) dequantize_row_ref((int)qtype, src + n * row_bytes, K, dst + n * K);
         }
     });
     return out;

@@ -911,7 +911,8 @@ struct Kernels {
     void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 };
 
-// AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA forces a narrower kernel.
+// AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA=avx2|avxvnni|ref forces a
+// narrower kernel (avxvnni: the AVX2 one, as on the CPUs it stands for).
 const Kernels& kernels() {
     static const Kernels chosen = [] {
         const char* env = std::getenv("LOCALRUN_ISA");
@@ -922,7 +923,7 @@ const Kernels& kernels() {
         if (forced == "ref" || !avx2)
             return Kernels{&attend_base, &widen_f16_bits, &widen_fp8_base, &widen_i8_scaled_base};
         // every AVX2 CPU has F16C
-        return Kernels{avx512 && forced != "avx2" ? &attend_avx512 : &attend_avx2, &widen_f16_f16c,
+        return Kernels{avx512 && (forced.empty() || forced == "avx512") ? &attend_avx512 : &attend_avx2, &widen_f16_f16c,
                        &widen_fp8_avx2, &widen_i8_scaled_avx2};
     }();
     return chosen;

@@ -310,7 +310,8 @@ bool f32_allowed() {
         const char* env = std::getenv("LOCALRUN_ISA");
         const std::string forced = env ? env : "";
         __builtin_cpu_init();
-        return (forced.empty() || forced == "avx512" || forced == "avx2") && __builtin_cpu_supports("avx2") &&
+        return (forced.empty() || forced == "avx512" || forced == "avxvnni" || forced == "avx2") &&
+               __builtin_cpu_supports("avx2") &&
                __builtin_cpu_supports("fma");
     }();
     return allowed;

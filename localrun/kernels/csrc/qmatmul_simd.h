@@ -1,13 +1,16 @@
 // The SIMD body of the quantized matmul, compiled once per instruction set: qmatmul_avx2.cpp
-// (AVX2 + FMA + F16C: maddubs/madd) and qmatmul_avx512.cpp (adds AVX-512 VL/BW/VNNI: vpdpbusd).
-// Both use 256-bit vectors, one 32-value group per register. Each weight group is decoded to
+// (AVX2 + FMA + F16C: maddubs/madd), qmatmul_avxvnni.cpp (the AVX2 kernels with AVX-VNNI's
+// vpdpbusd for maddubs + madd: Intel client cores from Alder Lake on, which lack AVX-512) and
+// qmatmul_avx512.cpp (adds AVX-512 VL/BW/VNNI: vpdpbusd, 512-bit kernels of their own).
+// All use 256-bit vectors, one 32-value group per register. Each weight group is decoded to
 // u8 codes once and multiplied by up to ROWS_TILE_MAX activation rows; every row runs the same
 // instructions in the same order whatever the tile, so a row's result never depends on the
 // other rows of a call (bit for bit). Both also have a lane layout (below: eight weight rows
 // side by side), which a weight's kernel type asks for; it too gives every row the same bits
 // whatever shares the call, and the same bits in either build (its integer sums are exact).
 //
-// Include after defining ISA_NS (the namespace) and, for VNNI, LOCALRUN_VNNI.
+// Include after defining ISA_NS (the namespace) and, for AVX-512 VNNI, LOCALRUN_VNNI, or, for
+// AVX-VNNI, LOCALRUN_AVXVNNI.
 #include <immintrin.h>
 #include <algorithm>
 #include <vector>
@@ -15,10 +18,27 @@
 
 namespace localrun { namespace ISA_NS {
 
+#ifdef LOCALRUN_AVXVNNI
+// acc + the u8 x s8 products of each 4 bytes, summed into int32 lanes: vpdpbusd in its VEX form
+// (AVX-VNNI). qmatmul_avxvnni_evex.cpp builds the same kernels with the EVEX form (AVX-512 VNNI
+// + VL), the same instruction on the same registers, so that an AVX-512 host can run and test
+// them (LOCALRUN_ISA=avxvnni). The sums are exact, as maddubs + madd's are where their int16
+// pair sums cannot saturate (STEPS), so these kernels give the AVX2 build's bits.
+static inline __attribute__((always_inline)) __m256i dpbusd_avx(__m256i acc, __m256i q, __m256i x) {
+#ifdef __AVX512VNNI__
+    return _mm256_dpbusd_epi32(acc, q, x);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, q, x);
+#endif
+}
+#endif
+
 // u8 codes x s8 activations -> 8 int32 lanes (lane i: bytes 4i..4i+3)
 static inline __m256i dot_us(__m256i q, __m256i x) {
 #ifdef LOCALRUN_VNNI
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#elif defined(LOCALRUN_AVXVNNI)
+    return dpbusd_avx(_mm256_setzero_si256(), q, x);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
 #endif
@@ -698,6 +718,30 @@ static inline __attribute__((always_inline)) __m256i steps_sum(const __m256i* q,
 template <int QT, int R>
 static inline __attribute__((always_inline)) void steps_sum_rows(const __m256i* q, const uint8_t* const* x, int j0, int j1,
                                                                  __m256i ones, __m256i* s32) {
+#ifdef LOCALRUN_AVXVNNI
+    // AVX-VNNI: each step's four products summed straight into each row's int32 lanes (one
+    // vpdpbusd where maddubs, an int16 add and, every STEPS steps, madd and an int32 add). Few
+    // rows get C chains each (step k into chain k % C, added at the end), so that vpdpbusd's
+    // latency does not serialize a one-row call; the integer sums are exact in any order.
+    constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+    __m256i acc[R][C];
+#pragma GCC unroll 8
+    for (int k = j0; k < j1; k++) {
+        const __m256i qk = _mm256_load_si256(q + k);
+        const int c = (k - j0) % C;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            uint32_t x4; std::memcpy(&x4, x[r] + 4 * k, 4);
+            acc[r][c] = dpbusd_avx(k - j0 < C ? _mm256_setzero_si256() : acc[r][c], qk, _mm256_set1_epi32((int)x4));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        s32[r] = acc[r][0];
+        for (int c = 1; c < C && c < j1 - j0; c++) s32[r] = _mm256_add_epi32(s32[r], acc[r][c]);
+    }
+    return;
+#endif
 #pragma GCC unroll 8
     for (int j = j0; j < j1; j += STEPS<QT>) {
         __m256i p[R];
@@ -1200,8 +1244,13 @@ static inline __attribute__((always_inline)) void run_sums(const uint8_t* const*
                     cb = _mm256_or_si256(cb, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * r + 1), one), 4));
                 }
             }
+#ifdef LOCALRUN_AVXVNNI
+            pa[e] = dpbusd_avx(_mm256_setzero_si256(), ca, xa);
+            pb[e] = dpbusd_avx(_mm256_setzero_si256(), cb, xb);
+#else
             pa[e] = _mm256_madd_epi16(_mm256_maddubs_epi16(ca, xa), ones);
             pb[e] = _mm256_madd_epi16(_mm256_maddubs_epi16(cb, xb), ones);
+#endif
         }
         qa[k] = sums2(pa[0], pa[1]);
         qb[k] = sums2(pb[0], pb[1]);
