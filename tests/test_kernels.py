@@ -241,9 +241,10 @@ sys.path.insert(0, sys.argv[1])
 from test_kernels import TYPES, random_blocks, shapes_for
 from localrun import kernels
 digests = []
-for lanes in (kernels.LANES, 0):     # the lane layout (not Q8_0), then the rows layout (every type)
+for lanes, q8 in ((kernels.LANES, False), (0, True), (kernels.LANES, True)):
+    # the lane layout (not Q8_0), the rows layout (every type), Q8_0's lanes (VNNI only: else its rows)
     h = hashlib.md5()
-    for qtype, (n, k) in [(t, s) for t in TYPES if lanes == 0 or t.name != "Q8_0" for s in shapes_for(t)]:
+    for qtype, (n, k) in [(t, s) for t in TYPES if (lanes == 0 or (t.name == "Q8_0") == q8) for s in shapes_for(t)]:
         x = np.random.default_rng(2).standard_normal((37, k)).astype(np.float32)
         for rows in (37, 13, 3, 1):      # AVX-512: two tiles per register; the tile; decoded and used at once
             y = kernels.qmatmul(torch.from_numpy(x[:rows]), [torch.from_numpy(random_blocks(qtype, n, k))],
@@ -259,7 +260,8 @@ def test_lanes_give_the_same_bits_on_every_instruction_set():
     VNNI (vpdpbusd), and the float steps are the same instructions, so a lane type's product is
     the same bits on each instruction set: an AVX2 host, an AVX-VNNI one and an AVX-512 one decode
     alike. The AVX-VNNI kernels are AVX2's with vpdpbusd for maddubs + madd, so their rows layout
-    gives AVX2's bits too (AVX-512's rows kernels are its own)."""
+    gives AVX2's bits too (AVX-512's rows kernels are its own); Q8_0's lanes (VNNI only: its codes
+    offset by 128 would saturate maddubs) are the same bits on AVX-VNNI and AVX-512."""
     isas = ["avx2"] + (["avxvnni"] if runs_avxvnni() else []) + (["avx512"] if kernels.isa() == "avx512" else [])
     if len(isas) < 2:
         pytest.skip("this host runs the AVX2 kernels only")
@@ -268,12 +270,15 @@ def test_lanes_give_the_same_bits_on_every_instruction_set():
         out = subprocess.run([sys.executable, "-c", LANES_SCRIPT, os.path.dirname(__file__)],
                              env={**os.environ, "LOCALRUN_ISA": isa}, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
-        got_isa, lanes, rows = out.stdout.split()
+        got_isa, lanes, rows, q8_lanes = out.stdout.split()
         assert got_isa == isa
-        runs[isa] = (lanes, rows)
-    assert len({lanes for lanes, _ in runs.values()}) == 1, runs
+        runs[isa] = (lanes, rows, q8_lanes)
+    assert len({lanes for lanes, _, _ in runs.values()}) == 1, runs
     if "avxvnni" in runs:
         assert runs["avxvnni"][1] == runs["avx2"][1], runs
+        if "avx512" in runs:
+            assert runs["avxvnni"][2] == runs["avx512"][2], runs
+        assert runs["avxvnni"][2] != runs["avx2"][2], runs    # AVX2 took its rows: not the same sums
 
 
 def test_unknown_isa_is_refused():

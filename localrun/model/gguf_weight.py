@@ -38,7 +38,7 @@ from localrun.engine_config import DEFAULT_PROMPT_MATH
 PROMPT_GEMM_MIN_ROWS = 32
 PROMPT_TILE_BYTES = 2 << 20         # float32 bytes of one dequantized tile of weight rows
 LANES_MIN_PARALLEL = 1              # sequences decoded together from which decode rows use the lane layout
-Q8_0_LANES_MIN_PARALLEL = 2         # ... and Q8_0's (AVX-512 only), which cost more than its rows for one
+Q8_0_LANES_MIN_PARALLEL = 2         # ... and Q8_0's (VNNI only), which cost more than its rows for one
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,14 @@ def lane_types(n_parallel: int) -> frozenset[int]:
     summation order). AVX-512 hosts run the same lane kernel with VNNI's vpdpbusd for the steps
     (the same bits as AVX2's: the integer sums are exact either way), and AVX-VNNI hosts the AVX2
     kernels with vpdpbusd (the same bits again); see docs/kernels.md. Q8_0 has
-    lanes on AVX-512 only (VNNI), taken from 2 sequences on, where they beat the rows (one
-    sequence is slower in lanes: gemma-3's 262k-row Q8_0 head; docs/measurements.md)."""
+    lanes with VNNI only (AVX-512's or AVX-VNNI's: the same bits), taken from 2 sequences on, where
+    they beat the rows (one sequence is slower in lanes: gemma-3's 262k-row Q8_0 head;
+    docs/measurements.md; SmolLM2's head on AVX-VNNI: 1.37x at one row, 0.57x at 16)."""
     isa = kernels.isa()
     if n_parallel < LANES_MIN_PARALLEL or isa not in ("avx2", "avxvnni", "avx512"):
         return frozenset()
     types = {kernels.KERNEL_TYPES[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
-    if isa == "avx512" and n_parallel >= Q8_0_LANES_MIN_PARALLEL:
+    if isa in ("avxvnni", "avx512") and n_parallel >= Q8_0_LANES_MIN_PARALLEL:
         types.add(kernels.KERNEL_TYPES["Q8_0"])
     return frozenset(types)
 

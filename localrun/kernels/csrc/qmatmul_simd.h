@@ -592,12 +592,12 @@ static inline void superblock8_q6k(const uint8_t* const* rp, int64_t sb, __m256i
     scales8_q6k(rp, sb, ab);
 }
 
-#ifdef LOCALRUN_VNNI
-// Group g of 8 Q8_0 rows (VNNI only): the signed codes transposed and offset by 128, unsigned
-// for vpdpbusd, with b = -128 d taking the offset back out through the activation's sum
-// (d * sum((q + 128) x) - 128 d * sum(x) = d * sum(q x), the integer sums exact). AVX2's maddubs
-// would saturate on these sums (2 x 255 x 127), so Q8_0 keeps the row layout there: its Q8_0
-// bits differ between the two builds, as the row layout's always have.
+#if defined(LOCALRUN_VNNI) || defined(LOCALRUN_AVXVNNI)
+// Group g of 8 Q8_0 rows (VNNI only: AVX-512's or AVX-VNNI's): the signed codes transposed and
+// offset by 128, unsigned for vpdpbusd, with b = -128 d taking the offset back out through the
+// activation's sum (d * sum((q + 128) x) - 128 d * sum(x) = d * sum(q x), the integer sums
+// exact). AVX2's maddubs would saturate on these sums (2 x 255 x 127), so Q8_0 keeps the row
+// layout there: its Q8_0 bits differ between the builds, as the row layout's always have.
 static inline void group8_q8(const uint8_t* const* rp, int64_t g, __m256i* q, float* ab) {
     const int64_t at = g * 34;
     words32x8(rp, at + 2, q);
@@ -617,7 +617,7 @@ template <int QT> constexpr int UNIT_GROUPS = (LOCKSTEP<QT> || QT == Q8_0) ? 1 :
 template <int QT>
 static inline void decode_unit(const uint8_t* const* rp, int64_t u, __m256i* q, float* ab) {
     if constexpr (LOCKSTEP<QT>) group8<QT>(rp, u, q, ab);
-#ifdef LOCALRUN_VNNI
+#if defined(LOCALRUN_VNNI) || defined(LOCALRUN_AVXVNNI)
     else if constexpr (QT == Q8_0) group8_q8(rp, u, q, ab);
 #endif
     else if constexpr (QT == Q6_K) superblock8_q6k(rp, u, q, ab);
@@ -1849,7 +1849,7 @@ bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int
             case Q4_K: lanes_all<Q4_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
             case Q5_K: lanes_all<Q5_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
             case Q6_K: lanes_all<Q6_K>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
-#ifdef LOCALRUN_VNNI
+#if defined(LOCALRUN_VNNI) || defined(LOCALRUN_AVXVNNI)
             case Q8_0: lanes_all<Q8_0>(w, row_bytes, n0, n1, qx, M, y, ldy); return true;
 #endif
             default: break;   // AVX2: Q8_0 keeps the row layout (group8_q8; measured on Zen 3, its
