@@ -590,3 +590,29 @@ def test_the_time_between_steps_is_measured_only_while_requests_wait(model):
     between = list(engine.step_cost.between)
     assert len(between) == 2 * (4 - 1)          # 4 steps a request, 3 gaps each
     assert all(0 <= s < 0.3 for s in between), between
+
+
+def test_a_prompt_gets_the_same_logits_fresh_and_after_a_prefix_hit(tiny_gguf):
+    """With int8 prompt math every prompt row attends through the prompt attention kernel,
+    whose rows are their own, so a prompt's next-token logprobs are the same bits whether it was
+    prefilled in one chunk or its first blocks came from the prefix cache and only a short tail
+    was computed (it went through the paged decode kernel before, which rounds otherwise: the
+    tail's logits moved, and SmolLM2 answered a question differently on a cache hit)."""
+    from localrun import kernels
+    if not kernels.available() or kernels.prompt_attention_kind() is None:
+        pytest.skip("no prompt attention kernel here")
+    model = LLM(tiny_gguf("Q8_0", n_embd=256, n_head=4, n_head_kv=2, seed=3), dtype="float32", quantized=True,
+                n_threads=1).model
+    assert all(layer.attention.prompt_kernel for layer in model.layers)
+    engine = make_engine(model, 0, max_num_seqs=2, max_model_len=128)
+    prompt = random_ids(37, seed=50)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=8)
+    logprobs = []
+    for name in ("fresh", "after a hit"):
+        engine.add_request(name, prompt, params)
+        outputs = []
+        while engine.has_unfinished():
+            outputs += [o for o in engine.step() if o.token_id is not None]
+        logprobs.append(outputs[0].logprob)
+    assert engine.stats()["prefix_cache_hit_tokens"] == 36      # 9 full blocks of 4 cached, a 1-row tail
+    assert logprobs[0] == logprobs[1]

@@ -29,6 +29,13 @@ DEFAULT_PARAMS = SamplingParams()
 # too, each row a query over its own prefix, as verify rows are, instead of its cached prefix
 # being gathered per layer for one masked SDPA: faster up to 16 rows, slower at 32, where
 # SDPA's blocked products win (the kernel reads the keys once per row; docs/measurements.md).
+# Only where prompt rows attend through torch's SDPA: with a prompt attention kernel (int8
+# prompt math, kernels.attention_bf16 / attention_f32) every prompt row takes that kernel, whose
+# rows are their own whatever the chunk, so a prompt's logits do not depend on where its chunks
+# end (the scheduler's budget, another request's load) or on how much of it was cached. Routed
+# here, a prompt's tail after a prefix hit rounded otherwise than the same rows prefilled
+# fresh: SmolLM2's greedy reply to "What is the capital of France?" was "L'Étoile, ..." fresh
+# (as llama.cpp's) and "The capital of France is Paris." when its first 32 tokens were cached.
 PAGED_PROMPT_ROWS = 16
 
 
@@ -43,12 +50,12 @@ def num_decode_rows(batch: Batch) -> int:
     return n
 
 
-def num_paged_entries(batch: Batch) -> int:
+def num_paged_entries(batch: Batch, prompt_rows: int = PAGED_PROMPT_ROWS) -> int:
     """The leading entries the paged kernel attends: the decode and verify entries, then the
-    prompt chunks of at most PAGED_PROMPT_ROWS rows that follow them."""
+    prompt chunks of at most prompt_rows rows that follow them."""
     n = 0
     for entry in batch.entries:
-        if entry.is_prefill and entry.num_new_tokens > PAGED_PROMPT_ROWS:
+        if entry.is_prefill and entry.num_new_tokens > prompt_rows:
             break
         n += 1
     return n
@@ -96,6 +103,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.local_block_tables = local_block_tables
         self.verify_as_decodes = verify_as_decodes
+        # prompt chunks through the paged kernel only where prompt rows have no kernel of their own
+        self.paged_prompt_rows = 0 if any(getattr(layer.attention, "prompt_kernel", None) for layer in model.layers) \
+            else PAGED_PROMPT_ROWS
         self.input_device = model.tok_embeddings.device
         self.generators: dict[str, torch.Generator] = {}   # request_id -> its sampler's RNG
 
@@ -112,7 +122,7 @@ class ModelRunner:
             view = self.kv_cache.sequence_view(e.seq.block_table, local)
             rowwise = bool(e.num_draft_tokens) and self.verify_as_decodes
             segments.append(Segment(starts[i], e.num_new_tokens, e.start_position, view, rowwise,
-                                    shared=shared.get(i - first_entry)))
+                                    shared=shared.get(i - first_entry), prompt=e.is_prefill))
         return segments
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -122,7 +132,7 @@ class ModelRunner:
         tokens = torch.tensor(batch.input_token_ids(), dtype=torch.long, device=device)    # (T,)
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=device)       # (T,)
         rows = torch.tensor(batch.sample_indices(), dtype=torch.long, device=device)       # (S,)
-        num_paged = num_paged_entries(batch)
+        num_paged = num_paged_entries(batch, self.paged_prompt_rows)
         paged = self.paged_rows(batch, num_paged)
         segments = self.segments(batch, first_entry=num_paged if paged is not None else 0)
         return self.model(tokens, positions, segments, rows, decode_rows=num_decode_rows(batch), paged=paged)

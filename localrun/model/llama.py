@@ -45,6 +45,7 @@ class Segment:
     rowwise: bool = False
     window_caches: dict | None = None   # local layer -> cache holding the last `window` positions only
     shared: "SharedPrefix | None" = None   # cached positions this segment shares with others of the batch
+    prompt: bool = False   # a prompt chunk of the engine: even one row attends as prompt rows do (prompt_kernel)
 
 
 @dataclass(eq=False)
@@ -252,18 +253,20 @@ class Attention(nn.Module):
         k_all, v_all = seg.cache.update(self.layer, seg.cache_start, k, v)   # (n_kv, L, hd)
         t, L = q.shape[0], k_all.shape[1]
         if self.window is not None:   # a paged local layer returns the keys from its window's first block on
-            return self._attend_window(q, k_all, v_all, seg.rowwise, seg.cache_start + t - L)
+            return self._attend_window(q, k_all, v_all, seg.rowwise, seg.cache_start + t - L, seg.prompt)
         if seg.rowwise and t > 1:     # row i: one query over keys 0..L-t+i, as a decode step
             return torch.cat([sdpa(q[i:i + 1], k_all[:, :L - t + i + 1], v_all[:, :L - t + i + 1])
                               for i in range(t)])
-        return self._attend_causal(q, k_all, v_all)
+        return self._attend_causal(q, k_all, v_all, seg.prompt)
 
-    def _attend_causal(self, q, k_all, v_all) -> torch.Tensor:
+    def _attend_causal(self, q, k_all, v_all, prompt: bool = False) -> torch.Tensor:
         """Queries (t, H, hd) at the last t of the L positions of k_all, v_all (n_kv, L, hd),
-        query i over keys 0..L-t+i."""
+        query i over keys 0..L-t+i. prompt: the rows of an engine's prompt chunk, which take the
+        prompt kernel even when there is one of them (a prompt's tail after a prefix hit), so that
+        a prompt row rounds alike whatever chunk it falls in."""
         t, L = q.shape[0], k_all.shape[1]
         mask, causal = None, False
-        if t > 1 and self._kernel(q):
+        if (t > 1 or prompt) and self._kernel(q):
             return self._kernel_attend(q, k_all, v_all, L - t)[0]
         if t > 1 and L == t:
             causal = True
@@ -284,14 +287,14 @@ class Attention(nn.Module):
         attend = kernels.attention_bf16 if self.prompt_kernel == "bf16" else kernels.attention_f32
         return attend(q, k.float(), v.float(), offset, self.head_dim ** -0.5, window)
 
-    def _attend_window(self, q, k_all, v_all, rowwise: bool, offset: int = 0) -> torch.Tensor:
+    def _attend_window(self, q, k_all, v_all, rowwise: bool, offset: int = 0, prompt: bool = False) -> torch.Tensor:
         """Query i (position P-t+i, P = offset + L) over keys p with P-t+i - window < p <= P-t+i
         (llama.cpp's LLAMA_SWA_TYPE_STANDARD mask); k_all holds positions offset..P-1."""
         t, w = q.shape[0], self.window
         end = offset + k_all.shape[1]                                        # P
         first = max(offset, end - t - w + 1)                                 # no query reads before it
         k_all, v_all = k_all[:, first - offset:], v_all[:, first - offset:]  # (n_kv, P - first, hd)
-        if rowwise or t == 1:     # row i: one query over its own window, as a decode step
+        if rowwise or (t == 1 and not (prompt and self._kernel(q))):   # row i: one query over its window, as a decode step
             rows = []
             for i in range(t):
                 p = end - t + i
@@ -299,7 +302,7 @@ class Attention(nn.Module):
                 rows.append(sdpa(q[i:i + 1], k_all[:, lo:hi], v_all[:, lo:hi]))
             return torch.cat(rows)
         if end - w <= first:      # every query sees every key from `first` on: plain causal attention
-            return self._attend_causal(q, k_all, v_all)
+            return self._attend_causal(q, k_all, v_all, prompt)
         if self._kernel(q):       # one call: key j is position first + j; query i sees its window of them
             return self._kernel_attend(q, k_all, v_all, end - t - first, w)[0]
         # Queries in blocks of WINDOW_QUERY_BLOCK rows, each over the keys its rows can see (the
