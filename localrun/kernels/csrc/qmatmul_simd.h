@@ -740,8 +740,7 @@ static inline __attribute__((always_inline)) void steps_sum_rows(const __m256i* 
         s32[r] = acc[r][0];
         for (int c = 1; c < C && c < j1 - j0; c++) s32[r] = _mm256_add_epi32(s32[r], acc[r][c]);
     }
-    return;
-#endif
+#else
 #pragma GCC unroll 8
     for (int j = j0; j < j1; j += STEPS<QT>) {
         __m256i p[R];
@@ -762,6 +761,7 @@ static inline __attribute__((always_inline)) void steps_sum_rows(const __m256i* 
             s32[r] = j == j0 ? m : _mm256_add_epi32(s32[r], m);
         }
     }
+#endif
 }
 #endif
 
