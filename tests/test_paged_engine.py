@@ -592,27 +592,107 @@ def test_the_time_between_steps_is_measured_only_while_requests_wait(model):
     assert all(0 <= s < 0.3 for s in between), between
 
 
-def test_a_prompt_gets_the_same_logits_fresh_and_after_a_prefix_hit(tiny_gguf):
+def kernel_model(tiny_gguf, architecture: str):
+    """A tiny Q8_0 model whose prompt rows attend through this host's prompt attention kernel
+    (int8 prompt math): llama, or gemma3 (6 of 7 layers local, a window of 8 tokens)."""
+    from localrun import kernels
+    if not kernels.available() or kernels.prompt_attention_kind() is None:
+        pytest.skip("no prompt attention kernel here")
+    options = {"n_embd": 256, "n_head": 4, "n_head_kv": 2, "seed": 3}
+    if architecture == "gemma3":
+        options = {"n_embd": 256, "n_head": 4, "head_dim": 128, "n_head_kv": 1, "sliding_window": 8, "n_layers": 7,
+                   "rope_base": 1e6, "seed": 3}
+    model = LLM(tiny_gguf("Q8_0", architecture=architecture, **options), dtype="float32", quantized=True,
+                n_threads=1).model
+    assert all(layer.attention.prompt_kernel for layer in model.layers)
+    return model
+
+
+def record_last_rows(monkeypatch) -> dict[int, list[torch.Tensor]]:
+    """Per layer, the last row of each prompt chunk's attention output, in call order (8-bit
+    activations downstream hide most last-bit differences from the logits; these do not)."""
+    rows: dict[int, list[torch.Tensor]] = {}
+    one, shared = Attention._kernel_attend, Attention._kernel_attend_shared
+
+    def attend_one(self, *args, **kwargs):
+        out = one(self, *args, **kwargs)
+        rows.setdefault(self.layer, []).append(out[0][-1].clone())
+        return out
+
+    def attend_shared(self, *args):
+        outs = shared(self, *args)
+        rows.setdefault(self.layer, []).extend(out[-1].clone() for out in outs)
+        return outs
+
+    monkeypatch.setattr(Attention, "_kernel_attend", attend_one)
+    monkeypatch.setattr(Attention, "_kernel_attend_shared", attend_shared)
+    return rows
+
+
+def first_logprobs(engine, prompts, tag):
+    """The first sampled token's logprobs of each prompt, all submitted at once."""
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=8)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", prompt, params)
+    got = {}
+    while engine.has_unfinished():
+        got.update({o.seq.request_id: o.logprob for o in engine.step() if o.token_id is not None})
+    return [got[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_a_prompt_gets_the_same_logits_fresh_and_after_a_prefix_hit(tiny_gguf, architecture, monkeypatch):
     """With int8 prompt math every prompt row attends through the prompt attention kernel,
     whose rows are their own, so a prompt's next-token logprobs are the same bits whether it was
     prefilled in one chunk or its first blocks came from the prefix cache and only a short tail
     was computed (it went through the paged decode kernel before, which rounds otherwise: the
-    tail's logits moved, and SmolLM2 answered a question differently on a cache hit)."""
-    from localrun import kernels
-    if not kernels.available() or kernels.prompt_attention_kind() is None:
-        pytest.skip("no prompt attention kernel here")
-    model = LLM(tiny_gguf("Q8_0", n_embd=256, n_head=4, n_head_kv=2, seed=3), dtype="float32", quantized=True,
-                n_threads=1).model
-    assert all(layer.attention.prompt_kernel for layer in model.layers)
+    tail's logits moved, and SmolLM2 answered a question differently on a cache hit). In a
+    sliding-window layer the tail's keys start at its window, not at position 0: the kernel's
+    key blocks are fixed by the positions (they started at the call's first key before, and
+    gemma-3's logprobs moved on a hit)."""
+    model = kernel_model(tiny_gguf, architecture)
     engine = make_engine(model, 0, max_num_seqs=2, max_model_len=128)
-    prompt = random_ids(37, seed=50)
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=8)
-    logprobs = []
-    for name in ("fresh", "after a hit"):
-        engine.add_request(name, prompt, params)
-        outputs = []
-        while engine.has_unfinished():
-            outputs += [o for o in engine.step() if o.token_id is not None]
-        logprobs.append(outputs[0].logprob)
-    assert engine.stats()["prefix_cache_hit_tokens"] == 36      # 9 full blocks of 4 cached, a 1-row tail
-    assert logprobs[0] == logprobs[1]
+    prompt = random_ids(101, seed=50)
+    rows = record_last_rows(monkeypatch)
+    fresh = first_logprobs(engine, [prompt], "fresh")
+    fresh_rows = {layer: got[-1] for layer, got in rows.items()}     # the last chunk's last row
+    rows.clear()
+    after_hit = first_logprobs(engine, [prompt], "hit")
+    assert engine.stats()["prefix_cache_hit_tokens"] == 100     # 25 full blocks of 4 cached, a 1-row tail
+    assert fresh == after_hit
+    assert sorted(rows) == sorted(fresh_rows) == list(range(model.config.n_layers))
+    for layer, (row,) in rows.items():
+        assert torch.equal(row, fresh_rows[layer]), layer
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_prompts_on_one_cached_prefix_get_their_own_logits_together(tiny_gguf, architecture, monkeypatch):
+    """Cascade attention through the kernel: prompts that took the same prefix-cache hit in one
+    step attend the shared keys in one call, and each still gets the logprobs it gets alone (the
+    bits: the shared keys are walked in the same key blocks as alone; the two partial softmaxes
+    merged by their log-sum-exps, as before, rounded otherwise)."""
+    model = kernel_model(tiny_gguf, architecture)
+    engine = make_engine(model, 0, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+    prefix = random_ids(90, seed=60)
+    first_logprobs(engine, [prefix + [5]], "prefix")                 # caches 88 tokens (22 blocks of 4)
+    prompts = [prefix + random_ids(n, seed=61 + n) for n in (1, 3, 6)]
+    calls = []
+    real = Attention._kernel_attend_shared
+    monkeypatch.setattr(Attention, "_kernel_attend_shared",
+                        lambda self, *args: calls.append(self.layer) or real(self, *args))
+    rows = record_last_rows(monkeypatch)
+    together = first_logprobs(engine, prompts, "together")
+    n_global = sum(layer.attention.window is None for layer in model.layers)
+    assert len(calls) == n_global >= 1
+    together_rows = dict(rows)
+    alone, alone_rows = [], {}
+    for i, prompt in enumerate(prompts):
+        rows.clear()
+        alone += first_logprobs(engine, [prompt], f"alone{i}")
+        for layer, (row,) in rows.items():
+            alone_rows.setdefault(layer, []).append(row)
+    assert len(calls) == n_global
+    assert together == alone
+    assert sorted(together_rows) == sorted(alone_rows) == list(range(model.config.n_layers))
+    for layer, got in together_rows.items():
+        assert len(got) == len(prompts) and all(torch.equal(a, b) for a, b in zip(got, alone_rows[layer])), layer

@@ -106,6 +106,53 @@ def test_attention_refuses_what_it_cannot_compute(kind):
         attention(kind)(q, k, k, -1, 0.1, 4)
 
 
+def shared_attention(kind: str):
+    return kernels.attention_shared_bf16 if kind == "bf16" else kernels.attention_shared_f32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_keeps_its_bits_wherever_its_keys_start_and_whatever_rows_share_its_call(kind):
+    """The key grid: rows over keys that start at another position (a sliding-window layer's
+    keys trimmed to the first its rows can see, `lead` = that position mod 64), or in another
+    split of the chunk, get the same bits as in one call over every key from position 0."""
+    g = torch.Generator().manual_seed(11)
+    T, Hq, Hkv, D, L, w = 23, 4, 2, 64, 300, 100
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((T, Hq, D), (Hkv, L, D), (Hkv, L, D)))
+    offset = L - T                                     # query i at position L - T + i
+    full, full_lse = attention(kind)(q, k, v, offset, 0.125, w)
+    for first in (1, 37, 64, 150, offset - w + 1):     # offset - w + 1: the first key row 0 sees
+        out, lse = attention(kind)(q, k[:, first:], v[:, first:], offset - first, 0.125, w, first % 64)
+        assert torch.equal(out, full) and torch.equal(lse, full_lse), first
+    for split in (1, 7, 16):                           # rows 0 .. split - 1, then the others, on keys from 131
+        a, _ = attention(kind)(q[:split], k[:, 131:], v[:, 131:], offset - 131, 0.125, w, 131 % 64)
+        b, _ = attention(kind)(q[split:], k[:, 131:], v[:, 131:], offset + split - 131, 0.125, w, 131 % 64)
+        assert torch.equal(torch.cat([a, b]), full), split
+    causal, _ = attention(kind)(q, k, v, offset, 0.125)
+    tail, _ = attention(kind)(q[5:], k, v, offset + 5, 0.125)   # a chunk's last rows alone
+    assert torch.equal(tail, causal[5:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shared_prefix_rows_get_the_bits_of_one_call_over_their_keys(kind):
+    """Cascade attention: sequences' rows over a shared prefix (packed once) and their own keys
+    get exactly what each gets from one call over the prefix and its keys together."""
+    g = torch.Generator().manual_seed(12)
+    Hq, Hkv, D, S = 6, 2, 64, 128
+    k_pre, v_pre = torch.randn(Hkv, S, D, generator=g), torch.randn(Hkv, S, D, generator=g)
+    own = [(5, 5), (3, 70), (40, 131), (1, 64)]        # (rows, own keys): rows are the last of their keys
+    qs = [torch.randn(t, Hq, D, generator=g) for t, _ in own]
+    k_own = [torch.randn(Hkv, n, D, generator=g) for _, n in own]
+    v_own = [torch.randn(Hkv, n, D, generator=g) for _, n in own]
+    out = shared_attention(kind)(torch.cat(qs), k_pre, v_pre, k_own, v_own, [t for t, _ in own], 0.125)
+    for got, q, k, v, (t, n) in zip(out.split([t for t, _ in own]), qs, k_own, v_own, own):
+        alone, _ = attention(kind)(q, torch.cat([k_pre, k], 1), torch.cat([v_pre, v], 1), S + n - t, 0.125)
+        assert torch.equal(got, alone), (t, n)
+    with pytest.raises(RuntimeError, match="multiple of 64 keys"):
+        shared_attention(kind)(qs[0], k_pre[:, :100], v_pre[:, :100], k_own[:1], v_own[:1], [5], 0.125)
+    with pytest.raises(RuntimeError, match="rows are q's rows"):
+        shared_attention(kind)(torch.cat(qs), k_pre, v_pre, k_own[:1], v_own[:1], [5], 0.125)
+
+
 def test_the_f32_kernel_equals_torchs_flash_attention():
     """attention_f32 computes what torch's float32 flash attention computes (the reference path,
     prompt_math "float32"), to float32 summation order: a causal prompt and a chunk after cached keys."""

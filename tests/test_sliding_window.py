@@ -213,7 +213,7 @@ def test_windowed_prompt_attention_equals_float64_masked_softmax(t, offset, wind
     q = torch.randn(t, H, hd, generator=g)
     k, v = torch.randn(n_kv, L, hd, generator=g), torch.randn(n_kv, L, hd, generator=g)
     layer = SimpleNamespace(window=window, n_head=H, n_head_kv=n_kv, _kernel=lambda q: False)   # float32 attention
-    layer._attend_causal = lambda *a: Attention._attend_causal(layer, *a)
+    layer._attend_causal = lambda *a, **kw: Attention._attend_causal(layer, *a, **kw)
     layer._attend_after_cached = lambda *a: Attention._attend_after_cached(layer, *a)
     got = Attention._attend_window(layer, q, k, v, rowwise=False, offset=offset)
     P = offset + L

@@ -11,6 +11,8 @@
 - `attention_bf16(q, k, v, offset, scale)` (csrc/prompt_attention.cpp): prompt rows' attention
   with bfloat16 products and float32 sums (AVX-512 BF16 only: `has_attention_bf16()`);
   `attention_f32`, the same in float32 with FMA (AVX2: `has_attention_f32()`);
+  `attention_shared_bf16` / `_f32`, the same for several sequences' rows over one shared prefix
+  (cascade attention, each row's bits those of the one-call kernel);
   `prompt_attention_kind()` names the one the model uses here.
 
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
@@ -118,14 +120,31 @@ def has_attention_bf16() -> bool:
     return available() and bool(torch.ops.localrun.has_attention_bf16())
 
 
+# The prompt attention kernels walk a row's keys in blocks of this many positions, on a grid
+# fixed by the positions (key j of a call is at grid key lead + j, lead = its position mod
+# PROMPT_KEY_BLOCK), so a row's bits do not depend on where the caller's keys start.
+PROMPT_KEY_BLOCK = 64
+
+
 def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
-                   scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, window: int = 0, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries q (T, Hq, hd) over keys and values (Hkv, L, hd), float32, query i seeing keys
     0 .. offset + i (offset < 0: all of them; window > 0: only the last `window` of those),
     scores scaled by `scale`: the output (T, Hq, hd)
     and the natural log-sum-exp of each row's scores (T, Hq), both float32. Queries, keys, values
-    and softmax weights are rounded to bfloat16 before they multiply; sums stay float32."""
-    return torch.ops.localrun.attention_bf16(q, k, v, offset, scale, window)
+    and softmax weights are rounded to bfloat16 before they multiply; sums stay float32.
+    lead: the position of key 0 mod PROMPT_KEY_BLOCK (the key grid)."""
+    return torch.ops.localrun.attention_bf16(q, k, v, offset, scale, window, lead)
+
+
+def attention_shared_bf16(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor, k_own: list[torch.Tensor],
+                          v_own: list[torch.Tensor], rows: list[int], scale: float) -> torch.Tensor:
+    """Cascade attention of several sequences' prompt rows: q (sum of rows, Hq, hd) holds
+    rows[s] queries of sequence s in turn; every sequence's keys are the shared k_pre, v_pre
+    (Hkv, S, hd; S a multiple of PROMPT_KEY_BLOCK, packed once) and then its own k_own[s],
+    v_own[s] (Hkv, L_s, hd), its query i seeing keys up to S + L_s - rows[s] + i. Each row's
+    output (sum of rows, Hq, hd) has the bits attention_bf16 gives it over its keys in one call."""
+    return torch.ops.localrun.attention_shared_bf16(q, k_pre, v_pre, k_own, v_own, rows, scale)
 
 
 @lru_cache(maxsize=None)
@@ -136,9 +155,15 @@ def has_attention_f32() -> bool:
 
 
 def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
-                  scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, window: int = 0, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """As attention_bf16, with no rounding of the inputs: float32 products and sums (FMA)."""
-    return torch.ops.localrun.attention_f32(q, k, v, offset, scale, window)
+    return torch.ops.localrun.attention_f32(q, k, v, offset, scale, window, lead)
+
+
+def attention_shared_f32(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor, k_own: list[torch.Tensor],
+                         v_own: list[torch.Tensor], rows: list[int], scale: float) -> torch.Tensor:
+    """As attention_shared_bf16, in float32 (attention_f32's bits)."""
+    return torch.ops.localrun.attention_shared_f32(q, k_pre, v_pre, k_own, v_own, rows, scale)
 
 
 def prompt_attention_kind() -> str | None:

@@ -14,6 +14,7 @@ next device once, where the device group changes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,9 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+CASC_OFF = [False]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, wqkv, wo, layer: int, bias: torch.Tensor | None = None,
                  q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, fused: bool = False,
@@ -188,7 +192,7 @@ class Attention(nn.Module):
         outs: dict[int, torch.Tensor] = {}
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(segments):
-            if s.shared is not None and self.window is None and q.device.type == "cpu":
+            if s.shared is not None and self.window is None and q.device.type == "cpu" and not (CASC_OFF[0] and self._kernel(q)):
                 groups.setdefault(id(s.shared), []).append(i)
             else:
                 outs[i] = self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
@@ -207,19 +211,15 @@ class Attention(nn.Module):
         rounding) without gathering the prefix once per sequence."""
         G, C = self.n_head // self.n_head_kv, segments[0].shared.num_tokens
         rows = torch.cat([q[s.start:s.start + s.length] for s in segments])          # (R, H, hd)
+        if self._kernel(q):
+            return self._kernel_attend_shared(q, k, v, rows, segments)
         k_pre, v_pre = segments[0].cache.read(self.layer, C)                          # (n_kv, C, hd)
-        own = self._kernel(q)
-        o_pre, lse_pre = self._kernel_attend(rows, k_pre, v_pre, -1) if own else attend_unmasked(rows, k_pre, v_pre)
+        o_pre, lse_pre = attend_unmasked(rows, k_pre, v_pre)
         o_own, lse_own = [], []
         for s in segments:
             rows_s = slice(s.start, s.start + s.length)
             k_s, v_s = s.cache.update(self.layer, s.cache_start, k[rows_s], v[rows_s], first=C)  # (n_kv, L - C, hd)
             t, n = s.length, k_s.shape[1]
-            if own:                   # query i (position cache_start + i) sees keys up to n - t + i
-                o, lse = self._kernel_attend(q[rows_s], k_s, v_s, n - t)
-                o_own.append(o)
-                lse_own.append(lse)
-                continue
             # query i (position cache_start + i) sees keys up to n - t + i: -inf above that
             mask = None if n == t else torch.full((t, n), float("-inf"), dtype=q.dtype, device=q.device).triu(n - t + 1)
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -228,6 +228,28 @@ class Attention(nn.Module):
             o_own.append(o[0].transpose(0, 1))                                        # (t, H, hd)
             lse_own.append(lse[0].transpose(0, 1))                                    # (t, H)
         out = merge_by_lse(o_pre, lse_pre, torch.cat(o_own), torch.cat(lse_own))
+        return list(out.to(q.dtype).split([s.length for s in segments]))
+
+    def _kernel_attend_shared(self, q, k, v, rows, segments: list[Segment]) -> list[torch.Tensor]:
+        """The prompt kernel's cascade: the first S cached keys (S the shared prefix down to a
+        multiple of the kernel's key block and of the block size) packed once for every
+        segment's rows, then each segment's keys from S on; every row gets the bits of
+        `_attend` alone (the kernel walks the same key blocks), whatever else shared the step."""
+        step = math.lcm(kernels.PROMPT_KEY_BLOCK, segments[0].cache.cache.block_size)
+        S = segments[0].shared.num_tokens // step * step
+        if S == 0:
+            return [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
+                                 v[s.start:s.start + s.length], s) for s in segments]
+        k_pre, v_pre = segments[0].cache.read(self.layer, S)                          # (n_kv, S, hd)
+        k_own, v_own = [], []
+        for s in segments:
+            rows_s = slice(s.start, s.start + s.length)
+            k_s, v_s = s.cache.update(self.layer, s.cache_start, k[rows_s], v[rows_s], first=S)  # (n_kv, L - S, hd)
+            k_own.append(k_s.float())
+            v_own.append(v_s.float())
+        attend = kernels.attention_shared_bf16 if self.prompt_kernel == "bf16" else kernels.attention_shared_f32
+        out = attend(rows, k_pre.float(), v_pre.float(), k_own, v_own, [s.length for s in segments],
+                     self.head_dim ** -0.5)
         return list(out.to(q.dtype).split([s.length for s in segments]))
 
     def _attend_after_cached(self, q, k_all, v_all) -> torch.Tensor:
@@ -259,15 +281,15 @@ class Attention(nn.Module):
                               for i in range(t)])
         return self._attend_causal(q, k_all, v_all, seg.prompt)
 
-    def _attend_causal(self, q, k_all, v_all, prompt: bool = False) -> torch.Tensor:
+    def _attend_causal(self, q, k_all, v_all, prompt: bool = False, start: int = 0) -> torch.Tensor:
         """Queries (t, H, hd) at the last t of the L positions of k_all, v_all (n_kv, L, hd),
         query i over keys 0..L-t+i. prompt: the rows of an engine's prompt chunk, which take the
         prompt kernel even when there is one of them (a prompt's tail after a prefix hit), so that
-        a prompt row rounds alike whatever chunk it falls in."""
+        a prompt row rounds alike whatever chunk it falls in. start: the position of k_all[:, 0]."""
         t, L = q.shape[0], k_all.shape[1]
         mask, causal = None, False
         if (t > 1 or prompt) and self._kernel(q):
-            return self._kernel_attend(q, k_all, v_all, L - t)[0]
+            return self._kernel_attend(q, k_all, v_all, L - t, start=start)[0]
         if t > 1 and L == t:
             causal = True
         elif t > 1 and q.device.type == "cpu":
@@ -279,13 +301,15 @@ class Attention(nn.Module):
     def _kernel(self, q: torch.Tensor) -> bool:
         return self.prompt_kernel is not None and q.dtype == torch.float32 and q.device.type == "cpu"
 
-    def _kernel_attend(self, q, k, v, offset: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kernel_attend(self, q, k, v, offset: int, window: int = 0, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries (t, H, hd) over keys and values (n_kv, L, hd), query i over keys 0 .. offset + i
         (offset < 0: all; window > 0: the last `window` of them): (output (t, H, hd), log-sum-exp
         (t, H)), float32 sums (kernels.attention_bf16 over bfloat16 products, or attention_f32).
-        The scale is sdpa's: a custom one is folded into q."""
+        start: the position of key 0, which places the keys on the kernel's grid of key blocks
+        (a row's bits then do not depend on where k starts). The scale is sdpa's: a custom one
+        is folded into q."""
         attend = kernels.attention_bf16 if self.prompt_kernel == "bf16" else kernels.attention_f32
-        return attend(q, k.float(), v.float(), offset, self.head_dim ** -0.5, window)
+        return attend(q, k.float(), v.float(), offset, self.head_dim ** -0.5, window, start % kernels.PROMPT_KEY_BLOCK)
 
     def _attend_window(self, q, k_all, v_all, rowwise: bool, offset: int = 0, prompt: bool = False) -> torch.Tensor:
         """Query i (position P-t+i, P = offset + L) over keys p with P-t+i - window < p <= P-t+i
@@ -302,9 +326,9 @@ class Attention(nn.Module):
                 rows.append(sdpa(q[i:i + 1], k_all[:, lo:hi], v_all[:, lo:hi]))
             return torch.cat(rows)
         if end - w <= first:      # every query sees every key from `first` on: plain causal attention
-            return self._attend_causal(q, k_all, v_all, prompt)
+            return self._attend_causal(q, k_all, v_all, prompt, start=first)
         if self._kernel(q):       # one call: key j is position first + j; query i sees its window of them
-            return self._kernel_attend(q, k_all, v_all, end - t - first, w)[0]
+            return self._kernel_attend(q, k_all, v_all, end - t - first, w, start=first)[0]
         # Queries in blocks of WINDOW_QUERY_BLOCK rows, each over the keys its rows can see (the
         # block's window: block + w - 1 keys), not the whole chunk's: one masked SDPA over the
         # chunk would compute t x (t + w - 1) scores for t x w that count (5x at t = 2048, w = 512).

@@ -26,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -75,16 +76,17 @@ BF16_TARGET inline __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// Keys of one head (L, D) -> [L16 / 16][D / 2][16] pairs; values -> [L16 / 2][D / 16][16] pairs.
-// Keys past L are zero (their scores are masked), and so are values (their weights are zero).
-BF16_TARGET void pack_block(const float* k, const float* v, int64_t L, int64_t D, int64_t key0,
+// Keys of one head (L, D) -> [n16 / 16][D / 2][16] pairs; values -> [n16 / 2][D / 16][16] pairs,
+// packed key lead + j holding key j. The packed keys before `lead` and past lead + L are zero
+// (their scores are masked), and so are their values (their weights are zero).
+BF16_TARGET void pack_block(const float* k, const float* v, int64_t L, int64_t D, int64_t key0, int64_t lead,
                             uint32_t* kp, uint32_t* vp) {
     const int64_t P = D / 2, C = D / 16;
     alignas(64) uint32_t rows[16][128];                 // 16 keys' pairs before the transposition
     for (int64_t j = 0; j < 16; j++) {
-        const int64_t key = key0 + j;
+        const int64_t key = key0 + j - lead;
         for (int64_t d = 0; d < D; d += 32) {
-            const __m512i pr = key < L ? pairs_of(_mm512_loadu_ps(k + key * D + d), _mm512_loadu_ps(k + key * D + d + 16))
+            const __m512i pr = key >= 0 && key < L ? pairs_of(_mm512_loadu_ps(k + key * D + d), _mm512_loadu_ps(k + key * D + d + 16))
                                        : _mm512_setzero_si512();
             _mm512_store_si512((__m512i*)&rows[j][d / 2], pr);
         }
@@ -93,11 +95,11 @@ BF16_TARGET void pack_block(const float* k, const float* v, int64_t L, int64_t D
     for (int64_t p = 0; p < P; p++)
         for (int64_t j = 0; j < 16; j++) kb[p * 16 + j] = rows[j][p];
     for (int64_t t = 0; t < 8; t++) {                   // key pairs (key0 + 2t, key0 + 2t + 1)
-        const int64_t a = key0 + 2 * t, b = a + 1;
+        const int64_t a = key0 + 2 * t - lead, b = a + 1;
         uint32_t* vb = vp + (key0 / 2 + t) * C * 16;
         for (int64_t c = 0; c < C; c++) {
-            const __m512 va = a < L ? _mm512_loadu_ps(v + a * D + c * 16) : _mm512_setzero_ps();
-            const __m512 vb16 = b < L ? _mm512_loadu_ps(v + b * D + c * 16) : _mm512_setzero_ps();
+            const __m512 va = a >= 0 && a < L ? _mm512_loadu_ps(v + a * D + c * 16) : _mm512_setzero_ps();
+            const __m512 vb16 = b >= 0 && b < L ? _mm512_loadu_ps(v + b * D + c * 16) : _mm512_setzero_ps();
             // element 2i = value of key a at dim i, element 2i + 1 = key b's: interleave the halves
             const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(va));
             const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vb16));
@@ -150,7 +152,7 @@ inline int64_t zigzag(int64_t j, int64_t n) { return j % 2 == 0 ? j / 2 : n - 1 
 
 // The checks both kernels make, in one sentence each (head sizes a multiple of `step`)
 void check_args(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t step,
-                int64_t offset, int64_t window) {
+                int64_t offset, int64_t window, int64_t lead) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), name, ": q (T, Hq, D), k and v (Hkv, L, D)");
     TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
                 name, ": float32 tensors");
@@ -159,22 +161,58 @@ void check_args(const char* name, const at::Tensor& q, const at::Tensor& k, cons
     TORCH_CHECK(k.size(0) > 0 && q.size(1) % k.size(0) == 0 && k.size(1) > 0, name,
                 ": query heads a multiple of KV heads, keys > 0");
     TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), name, ": a window needs a causal offset");
+    TORCH_CHECK(lead >= 0 && lead < KEYS, name, ": a lead of 0 to ", KEYS - 1, " keys");
 }
 
-// Every task of a call on the threads: task(g, i0, i1) for KV head g and positions i0 .. i1 - 1,
-// ROWS rows a task (positions x the G query heads of a KV head), chunks in zigzag order
-template <typename F>
-void for_each_task(int64_t T, int64_t Hkv, int64_t G, F&& task) {
-    const int64_t positions = std::max<int64_t>(1, ROWS / G), chunks = (T + positions - 1) / positions;
-    at::parallel_for(0, Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+// The key grid. A call's keys are numbered as the positions they hold, up to a multiple of KEYS:
+// key j of k is grid key lead + j (lead = the first key's position mod KEYS), and every row walks
+// the grid's blocks of KEYS keys from the block of its first visible key on, with one online
+// softmax step per block. A row's sums then run over the same blocks in the same order whatever
+// the call: the chunk it came in, the keys the caller trimmed before its window, the other rows
+// of its task, or a shared prefix read once for several sequences (attention_shared_*): its bits
+// depend on its query, its keys and its mask alone (keys a block holds past a row's mask weigh
+// exactly 0, and adding 0 changes no sum).
+//
+// A segment: consecutive query rows over their own keys, after S keys shared with the other
+// segments of the call (S a multiple of KEYS; grid keys 0 .. S - 1) when there are such.
+template <typename Keys>
+struct Segment {
+    int64_t row0, rows;         // rows row0 .. row0 + rows - 1 of q and out
+    int64_t keys;               // grid keys: S + lead + its own keys
+    int64_t offset, window;     // row i sees grid keys .. offset + i (offset < 0: all), the last `window` of them
+    int64_t first;              // the first grid key that exists (lead when S = 0)
+    Keys own;                   // its keys from grid key S on
+};
+
+template <typename Keys>
+struct Call {
+    const float* q; float* out; float* lse;
+    int64_t Hq, Hkv, G, D;
+    float sc;                               // scale * log2(e)
+    int64_t S;                              // shared grid keys, a multiple of KEYS (0: none)
+    Keys shared;
+    std::vector<Segment<Keys>> segs;
+};
+
+// Every task of a call on the threads: task(s, g, i0, i1) for segment s, KV head g and its rows
+// i0 .. i1 - 1, ROWS rows a task (positions x the G query heads of a KV head), chunks in zigzag order
+template <typename Keys, typename F>
+void for_each_task(const Call<Keys>& a, F&& task) {
+    const int64_t positions = std::max<int64_t>(1, ROWS / a.G);
+    std::vector<std::array<int64_t, 3>> chunks;             // (segment, i0, i1)
+    for (int64_t s = 0; s < (int64_t)a.segs.size(); s++)
+        for (int64_t i0 = 0; i0 < a.segs[s].rows; i0 += positions)
+            chunks.push_back({s, i0, std::min(a.segs[s].rows, i0 + positions)});
+    const int64_t n = chunks.size();
+    at::parallel_for(0, a.Hkv * n, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; t++) {
-            const int64_t g = t % Hkv, i0 = zigzag(t / Hkv, chunks) * positions;
-            task(g, i0, std::min(T, i0 + positions));
+            const auto& c = chunks[zigzag(t / a.Hkv, n)];
+            task(c[0], t % a.Hkv, c[1], c[2]);
         }
     });
 }
 
-// A task's R rows (position i0 + r / G, query head g * G + r % G): out = o / l, lse = ln(2^m l)
+// A task's R rows (row row0 + i0 + r / G, query head g * G + r % G): out = o / l, lse = ln(2^m l)
 void finish_rows(float* out, float* lse, const float* o, const float* m, const float* l, int64_t R, int64_t G,
                  int64_t i0, int64_t g, int64_t Hq, int64_t D) {
     for (int64_t r = 0; r < R; r++) {
@@ -186,48 +224,80 @@ void finish_rows(float* out, float* lse, const float* o, const float* m, const f
     }
 }
 
-struct Call {
-    const float* q; float* out; float* lse;
+// The first and last grid key each of a task's rows sees (padding rows repeat the last real row)
+template <typename Keys>
+void row_spans(const Segment<Keys>& seg, int64_t i0, int64_t R, int64_t RP, int64_t G, int64_t* first, int64_t* last) {
+    for (int64_t r = 0; r < RP; r++) {
+        const int64_t i = i0 + std::min(r, R - 1) / G;
+        last[r] = seg.offset < 0 ? seg.keys - 1 : std::min(seg.keys - 1, seg.offset + i);
+        first[r] = std::max(seg.first, seg.window > 0 ? seg.offset + i - seg.window + 1 : 0);
+    }
+}
+
+// One KV head's keys and values in bfloat16 pairs (pack_block's layout), n16 packed keys a head
+struct PackedBF16 {
     const uint32_t* kp; const uint32_t* vp;
-    int64_t T, Hq, Hkv, G, L, D, offset, window;
-    float sc;                                    // scale * log2(e)
+    int64_t n16;
 };
 
-// One task: KV head g, query positions i0 .. i1 - 1 (rows r = (i - i0) * G + j for query head g * G + j)
-BF16_TARGET void attend_task(const Call& a, int64_t g, int64_t i0, int64_t i1) {
+struct PackBF16 {
+    at::Tensor kp, vp;
+    PackedBF16 keys;
+};
+
+// k, v (Hkv, L, D) packed for every head, key j at packed key lead + j
+PackBF16 pack_bf16(const at::Tensor& k, const at::Tensor& v, int64_t lead) {
+    const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), n16 = (lead + L + 15) / 16 * 16, B = n16 / 16;
+    const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+    PackBF16 p{at::empty({Hkv, n16 * D / 2}, at::kInt), at::empty({Hkv, n16 * D / 2}, at::kInt), {}};
+    auto* kpp = reinterpret_cast<uint32_t*>(p.kp.data_ptr<int32_t>());
+    auto* vpp = reinterpret_cast<uint32_t*>(p.vp.data_ptr<int32_t>());
+    const float* kd = kc.data_ptr<float>();
+    const float* vd = vc.data_ptr<float>();
+    at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++) {
+            const int64_t g = b / B;
+            pack_block(kd + g * L * D, vd + g * L * D, L, D, b % B * 16, lead, kpp + g * n16 * D / 2, vpp + g * n16 * D / 2);
+        }
+    });
+    p.keys = {kpp, vpp, n16};
+    return p;
+}
+
+// One task: segment s, KV head g, its rows i0 .. i1 - 1 (rows r = (i - i0) * G + j for query head g * G + j)
+BF16_TARGET void attend_task(const Call<PackedBF16>& a, int64_t s, int64_t g, int64_t i0, int64_t i1) {
+    const Segment<PackedBF16>& seg = a.segs[s];
     const int64_t D = a.D, P = D / 2, C = D / 16, G = a.G;
     const int64_t R = (i1 - i0) * G, R4 = (R + 3) / 4 * 4;
     std::vector<uint32_t> qb(R4 * P, 0);
-    std::vector<float> o(R4 * D, 0.f), s(4 * KEYS);
+    std::vector<float> o(R4 * D, 0.f), s4(4 * KEYS);
     std::vector<uint32_t> w(R4 * (KEYS / 2));
     std::vector<float> m(R4, -std::numeric_limits<float>::infinity()), l(R4, 0.f), alpha(R4);
-    std::vector<int64_t> first(R4), last(R4);               // the first and last key each row sees
-    for (int64_t r = 0; r < R4; r++) {
-        const int64_t i = i0 + std::min(r, R - 1) / G;      // padding rows repeat the last real row
-        last[r] = a.offset < 0 ? a.L - 1 : std::min(a.L - 1, a.offset + i);
-        first[r] = a.window > 0 ? std::max<int64_t>(0, a.offset + i - a.window + 1) : 0;
-        if (r >= R) continue;
-        const float* src = a.q + (i * a.Hq + g * G + r % G) * D;
+    std::vector<int64_t> first(R4), last(R4);               // the first and last grid key each row sees
+    row_spans(seg, i0, R, R4, G, first.data(), last.data());
+    for (int64_t r = 0; r < R; r++) {
+        const float* src = a.q + ((seg.row0 + i0 + r / G) * a.Hq + g * G + r % G) * D;
         for (int64_t d = 0; d < D; d += 32)
             _mm512_storeu_si512((__m512i*)(qb.data() + r * P + d / 2),
                                 pairs_of(_mm512_loadu_ps(src + d), _mm512_loadu_ps(src + d + 16)));
     }
-    const int64_t end = last[R4 - 1] + 1;                   // keys any row of the task sees: from begin on
-    const int64_t begin = first[0] / 16 * 16;               // (rows by position: the first row's first key is the least)
-    const uint32_t* kp = a.kp + g * ((a.L + 15) / 16) * P * 16;
-    const uint32_t* vp = a.vp + g * ((a.L + 15) / 16) * 8 * C * 16;
+    const int64_t end = last[R4 - 1] + 1;                   // grid keys any row of the task sees: from begin on
+    const int64_t begin = first[0] / KEYS * KEYS;           // (rows by position: the first row's first key is the least)
     for (int64_t k0 = begin; k0 < end; k0 += KEYS) {
         const int64_t nv = std::min<int64_t>(4, (end - k0 + 15) / 16), nk = nv * 16;
-        const uint32_t* kblock = kp + k0 / 16 * P * 16;
+        const PackedBF16& run = k0 < a.S ? a.shared : seg.own;   // a block is all shared or all own
+        const int64_t key = k0 < a.S ? k0 : k0 - a.S;            // its first packed key
+        const uint32_t* kblock = run.kp + g * run.n16 * P + key / 16 * P * 16;
+        const uint32_t* vblock = run.vp + g * run.n16 * P + key / 2 * C * 16;
         for (int64_t r = 0; r < R4; r += 4) {
             switch (nv) {
-                case 4: scores4<4>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
-                case 3: scores4<3>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
-                case 2: scores4<2>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
-                default: scores4<1>(qb.data() + r * P, P, kblock, s.data(), a.sc); break;
+                case 4: scores4<4>(qb.data() + r * P, P, kblock, s4.data(), a.sc); break;
+                case 3: scores4<3>(qb.data() + r * P, P, kblock, s4.data(), a.sc); break;
+                case 2: scores4<2>(qb.data() + r * P, P, kblock, s4.data(), a.sc); break;
+                default: scores4<1>(qb.data() + r * P, P, kblock, s4.data(), a.sc); break;
             }
             for (int64_t i = 0; i < 4; i++) {               // online softmax of the block, row r + i
-                float* si = s.data() + i * KEYS;
+                float* si = s4.data() + i * KEYS;
                 const int64_t seen = std::min(nk, last[r + i] - k0 + 1);   // keys k0 .. k0 + seen - 1
                 for (int64_t k = std::max<int64_t>(seen, 0); k < nk; k++) si[k] = -std::numeric_limits<float>::infinity();
                 for (int64_t k = 0; k < std::min(nk, first[r + i] - k0); k++) si[k] = -std::numeric_limits<float>::infinity();
@@ -260,37 +330,86 @@ BF16_TARGET void attend_task(const Call& a, int64_t g, int64_t i0, int64_t i1) {
                 for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), al));
             }
             for (int64_t c0 = 0; c0 < C; c0 += 4)           // D is a multiple of 64
-                values4(w.data() + r * (KEYS / 2), vp + k0 / 2 * C * 16, nk / 2, C, c0, o.data() + r * D, D);
+                values4(w.data() + r * (KEYS / 2), vblock, nk / 2, C, c0, o.data() + r * D, D);
         }
     }
-    finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, i0, g, a.Hq, D);
+    finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, seg.row0 + i0, g, a.Hq, D);
+}
+
+// The call's output and log-sum-exp, every segment's rows attended (the other arguments of Call
+// set by the caller)
+template <typename Keys, typename Task>
+std::tuple<at::Tensor, at::Tensor> run_call(Call<Keys>& a, const at::Tensor& q, int64_t Hkv, double scale, Task&& task) {
+    const at::Tensor qc = q.contiguous();
+    at::Tensor out = at::empty(q.sizes(), q.options()), lse = at::empty({q.size(0), q.size(1)}, q.options());
+    a.q = qc.data_ptr<float>();
+    a.out = out.data_ptr<float>();
+    a.lse = lse.data_ptr<float>();
+    a.Hq = q.size(1);
+    a.Hkv = Hkv;
+    a.G = a.Hq / Hkv;
+    a.D = q.size(2);
+    a.sc = static_cast<float>(scale * 1.4426950408889634);
+    for_each_task(a, [&](int64_t s, int64_t g, int64_t i0, int64_t i1) { task(a, s, g, i0, i1); });
+    return {out, lse};
+}
+
+// One segment over keys k, v: key j is grid key lead + j
+template <typename Keys>
+Segment<Keys> alone(int64_t T, int64_t L, int64_t offset, int64_t window, int64_t lead, Keys own) {
+    return {0, T, lead + L, offset < 0 ? -1 : lead + offset, window, lead, own};
+}
+
+// Segments after a shared prefix (k_pre, v_pre: S grid keys): segment s's rows[s] rows, then its
+// own keys k_own[s] (grid keys S ..), row i of them seeing every key up to its own L - rows + i
+template <typename Keys, typename Pack>
+std::vector<Segment<Keys>> after_shared(const char* name, const at::Tensor& q, const at::Tensor& k_pre,
+                                        at::TensorList k_own, at::TensorList v_own, at::IntArrayRef rows,
+                                        int64_t step, Pack&& pack) {
+    const int64_t S = k_pre.size(1);
+    TORCH_CHECK(S % KEYS == 0, name, ": a shared prefix of a multiple of ", KEYS, " keys");
+    TORCH_CHECK(k_own.size() == rows.size() && v_own.size() == rows.size() && !rows.empty(), name,
+                ": one key tensor, one value tensor and a row count per segment");
+    std::vector<Segment<Keys>> segs;
+    int64_t row0 = 0;
+    for (size_t s = 0; s < rows.size(); s++) {
+        const int64_t L = k_own[s].size(1), t = rows[s];
+        check_args(name, q, k_own[s], v_own[s], step, 0, 0, 0);
+        TORCH_CHECK(k_own[s].size(0) == k_pre.size(0) && t > 0 && t <= L, name,
+                    ": each segment's rows at most its own keys, its KV heads the prefix's");
+        segs.push_back({row0, t, S + L, S + L - t, 0, 0, pack(k_own[s], v_own[s])});
+        row0 += t;
+    }
+    TORCH_CHECK(row0 == q.size(0), name, ": the segments' rows are q's rows");
+    return segs;
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  int64_t offset, double scale, int64_t window) {
+                                                  int64_t offset, double scale, int64_t window, int64_t lead) {
     TORCH_CHECK(bf16_allowed(), "localrun::attention_bf16: this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)");
-    check_args("localrun::attention_bf16", q, k, v, 64, offset, window);
-    const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
-    const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-    const int64_t L16 = (L + 15) / 16;
-    at::Tensor kp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt), vp = at::empty({Hkv, L16 * 16 * D / 2}, at::kInt);
-    at::Tensor out = at::empty({T, Hq, D}, q.options()), lse = at::empty({T, Hq}, q.options());
-    auto* kpp = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
-    auto* vpp = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
-    const float* kd = kc.data_ptr<float>();
-    const float* vd = vc.data_ptr<float>();
-    at::parallel_for(0, Hkv * L16, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; b++) {
-            const int64_t g = b / L16;
-            pack_block(kd + g * L * D, vd + g * L * D, L, D, b % L16 * 16, kpp + g * L16 * 16 * D / 2,
-                       vpp + g * L16 * 16 * D / 2);
-        }
+    check_args("localrun::attention_bf16", q, k, v, 64, offset, window, lead);
+    const PackBF16 p = pack_bf16(k, v, lead);
+    Call<PackedBF16> call{};
+    call.segs.push_back(alone(q.size(0), k.size(1), offset, window, lead, p.keys));
+    return run_call(call, q, k.size(0), scale, attend_task);
+}
+
+at::Tensor attention_shared_bf16(const at::Tensor& q, const at::Tensor& k_pre, const at::Tensor& v_pre,
+                                 at::TensorList k_own, at::TensorList v_own, at::IntArrayRef rows, double scale) {
+    const char* name = "localrun::attention_shared_bf16";
+    TORCH_CHECK(bf16_allowed(), name, ": this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)");
+    check_args(name, q, k_pre, v_pre, 64, -1, 0, 0);
+    std::vector<PackBF16> packs;
+    packs.reserve(rows.size() + 1);
+    packs.push_back(pack_bf16(k_pre, v_pre, 0));
+    Call<PackedBF16> call{};
+    call.S = k_pre.size(1);
+    call.shared = packs[0].keys;
+    call.segs = after_shared<PackedBF16>(name, q, k_pre, k_own, v_own, rows, 64, [&](const at::Tensor& k, const at::Tensor& v) {
+        packs.push_back(pack_bf16(k, v, 0));
+        return packs.back().keys;
     });
-    const int64_t G = Hq / Hkv;
-    Call call{qc.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(), kpp, vpp,
-              T, Hq, Hkv, G, L, D, offset, window, static_cast<float>(scale * 1.4426950408889634)};
-    for_each_task(T, Hkv, G, [&](int64_t g, int64_t i0, int64_t i1) { attend_task(call, g, i0, i1); });
-    return {out, lse};
+    return std::get<0>(run_call(call, q, k_pre.size(0), scale, attend_task));
 }
 
 // ---- The same attention in float32 with FMA (AVX2 hosts; AVX-512 ones without BF16) ----
@@ -299,8 +418,8 @@ std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at:
 // attention computes them (up to summation order and the exp polynomial's 2e-7). Why a kernel,
 // then: on 2 Zen 3 cores torch's flash attention ran gemma-3's prompt at ~54 GFLOP/s (18% of a
 // 512-token prefill) where two FMA pipes give ~190. Keys are packed per call as 8 keys per
-// vector for each dim ([L / 8][D][8], zeros up to a multiple of 16 keys); values are read as stored (a row of D per key). A task is
-// the same as above: one KV head, the grouped query heads of a few positions.
+// vector for each dim (KeysF32 below); values are read as stored (a row of D per key). A task is
+// the same as above: one KV head, the grouped query heads of a few positions, on the same key grid.
 
 #define F32_TARGET __attribute__((target("avx2,fma")))
 constexpr int64_t RG = 6;      // query rows per register tile: 12 accumulators of 16 (2 x 8 lanes each)
@@ -383,40 +502,66 @@ F32_TARGET inline void values4_f32(const float* w, const float* v, int64_t n, in
         for (int c = 0; c < 2; c++) _mm256_storeu_ps(o + i * D + d0 + 8 * c, acc[i][c]);
 }
 
-struct CallF32 {
-    const float* q; float* out; float* lse;
-    const float* kp; const float* v;             // keys packed per head ([L8][D][8]); values (Hkv, L, D)
-    int64_t T, Hq, Hkv, G, L, D, offset, window;
-    float sc;                                    // scale * log2(e)
+// One KV head's keys packed 8 keys a vector for each dim ([n16 / 8][D][8], packed key lead + j
+// holding key j, zeros around them) and its values as stored (L rows of D)
+struct KeysF32 {
+    const float* kp; const float* v;
+    int64_t n16, L, lead;
 };
 
-F32_TARGET void attend_task_f32(const CallF32& a, int64_t g, int64_t i0, int64_t i1) {
-    const int64_t D = a.D, G = a.G, L8 = (a.L + 15) / 16 * 2;
+struct PackF32 {
+    at::Tensor kp, v;
+    KeysF32 keys;
+};
+
+PackF32 pack_f32(const at::Tensor& k, const at::Tensor& v, int64_t lead) {
+    const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), n16 = (lead + L + 15) / 16 * 16, B = n16 / 8;
+    const at::Tensor kc = k.contiguous();
+    PackF32 p{at::empty({Hkv, n16 * D}, k.options()), v.contiguous(), {}};
+    float* kpp = p.kp.data_ptr<float>();
+    const float* kd = kc.data_ptr<float>();
+    at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++) {                 // 8 keys of one head, transposed
+            const int64_t g = b / B, key0 = b % B * 8 - lead;
+            float* dst = kpp + b * D * 8;
+            for (int64_t j = 0; j < 8; j++) {
+                const int64_t key = key0 + j;
+                const float* src = kd + (g * L + key) * D;
+                for (int64_t d = 0; d < D; d++) dst[d * 8 + j] = key >= 0 && key < L ? src[d] : 0.f;
+            }
+        }
+    });
+    p.keys = {kpp, p.v.data_ptr<float>(), n16, L, lead};
+    return p;
+}
+
+F32_TARGET void attend_task_f32(const Call<KeysF32>& a, int64_t s, int64_t g, int64_t i0, int64_t i1) {
+    const Segment<KeysF32>& seg = a.segs[s];
+    const int64_t D = a.D, G = a.G;
     const int64_t R = (i1 - i0) * G, RP = (R + RG - 1) / RG * RG;
-    std::vector<float> qr(RP * D, 0.f), o(RP * D, 0.f), s(RP * KEYS), w(RP * KEYS);
+    std::vector<float> qr(RP * D, 0.f), o(RP * D, 0.f), sc(RP * KEYS), w(RP * KEYS);
     std::vector<float> m(RP, -std::numeric_limits<float>::infinity()), l(RP, 0.f);
     std::vector<int64_t> first(RP), last(RP);
-    for (int64_t r = 0; r < RP; r++) {
-        const int64_t i = i0 + std::min(r, R - 1) / G;      // padding rows repeat the last real row
-        last[r] = a.offset < 0 ? a.L - 1 : std::min(a.L - 1, a.offset + i);
-        first[r] = a.window > 0 ? std::max<int64_t>(0, a.offset + i - a.window + 1) : 0;
-        if (r < R) std::memcpy(qr.data() + r * D, a.q + (i * a.Hq + g * G + r % G) * D, D * sizeof(float));
-    }
-    // from a multiple of 16 on: the score tiles read 16 keys, and the pool is packed to a multiple of 16
-    const int64_t end = last[RP - 1] + 1, begin = first[0] / 16 * 16;
-    const float* kp = a.kp + g * L8 * D * 8;
-    const float* vh = a.v + g * a.L * D;
+    row_spans(seg, i0, R, RP, G, first.data(), last.data());
+    for (int64_t r = 0; r < R; r++)
+        std::memcpy(qr.data() + r * D, a.q + ((seg.row0 + i0 + r / G) * a.Hq + g * G + r % G) * D, D * sizeof(float));
+    const int64_t end = last[RP - 1] + 1, begin = first[0] / KEYS * KEYS;
     for (int64_t k0 = begin; k0 < end; k0 += KEYS) {
         const int64_t nv = std::min<int64_t>(KEYS / 8, (end - k0 + 7) / 8), nk = nv * 8;
-        const int64_t stored = std::min(nk, a.L - k0);      // the block's keys that exist (the rest weigh 0)
+        const KeysF32& run = k0 < a.S ? a.shared : seg.own;      // a block is all shared or all own
+        const int64_t key = k0 < a.S ? k0 : k0 - a.S;            // its first packed key
+        const float* kp = run.kp + (g * run.n16 + key) * D;
+        // the block's stored keys: j0 .. j0 + nk - 1 of the run, those before 0 or from L on weigh 0
+        const int64_t j0 = key - run.lead, lo = std::max<int64_t>(0, -j0), hi = std::min(nk, run.L - j0);
+        const float* vlo = run.v + (g * run.L + j0 + lo) * D;      // key j0 + lo's value
         // Each pass over the block's keys (16 at a time) or values (16 dims at a time) serves every
         // row of the task before it moves on, so those stay in L1 across the row groups: a group of
         // 4 rows alone read each value line once per 8 FMAs, as fast as L2 delivers it.
         for (int64_t c = 0; c < nv; c += 2)                 // keys packed to a multiple of 16
             for (int64_t r = 0; r < RP; r += RG)
-                scores4_f32(qr.data() + r * D, D, kp + (k0 / 8 + c) * D * 8, s.data() + r * KEYS + c * 8, a.sc);
+                scores4_f32(qr.data() + r * D, D, kp + c * D * 8, sc.data() + r * KEYS + c * 8, a.sc);
         for (int64_t r = 0; r < RP; r++) {                  // online softmax of the block, row r
-            float* sr = s.data() + r * KEYS;
+            float* sr = sc.data() + r * KEYS;
             const int64_t seen = std::min(nk, last[r] - k0 + 1);
             for (int64_t k = std::max<int64_t>(seen, 0); k < nk; k++) sr[k] = -std::numeric_limits<float>::infinity();
             for (int64_t k = 0; k < std::min(nk, first[r] - k0); k++) sr[k] = -std::numeric_limits<float>::infinity();
@@ -444,52 +589,59 @@ F32_TARGET void attend_task_f32(const CallF32& a, int64_t g, int64_t i0, int64_t
                 for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(_mm256_loadu_ps(orow + d), al));
             }
         }
-        for (int64_t d0 = 0; d0 < D; d0 += 16)              // D is a multiple of 16
-            for (int64_t r = 0; r < RP; r += RG)
-                values4_f32(w.data() + r * KEYS, vh + k0 * D, stored, D, d0, o.data() + r * D);
+        if (hi > lo)                                        // the keys outside weigh 0: skipping them adds nothing
+            for (int64_t d0 = 0; d0 < D; d0 += 16)          // D is a multiple of 16
+                for (int64_t r = 0; r < RP; r += RG)
+                    values4_f32(w.data() + r * KEYS + lo, vlo, hi - lo, D, d0, o.data() + r * D);
     }
-    finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, i0, g, a.Hq, D);
+    finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, seg.row0 + i0, g, a.Hq, D);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 int64_t offset, double scale, int64_t window) {
+                                                 int64_t offset, double scale, int64_t window, int64_t lead) {
     TORCH_CHECK(f32_allowed(), "localrun::attention_f32: this CPU has no AVX2 and FMA (or LOCALRUN_ISA forbids them)");
-    check_args("localrun::attention_f32", q, k, v, 16, offset, window);
-    const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1);
-    const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-    const int64_t L8 = (L + 15) / 16 * 2;                // blocks of 8 keys, an even number of them
-    at::Tensor kp = at::empty({Hkv, L8 * D * 8}, q.options());
-    at::Tensor out = at::empty({T, Hq, D}, q.options()), lse = at::empty({T, Hq}, q.options());
-    float* kpp = kp.data_ptr<float>();
-    const float* kd = kc.data_ptr<float>();
-    at::parallel_for(0, Hkv * L8, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; b++) {                 // 8 keys of one head, transposed
-            const int64_t g = b / L8, key0 = b % L8 * 8;
-            float* dst = kpp + b * D * 8;
-            for (int64_t j = 0; j < 8; j++) {
-                const float* src = kd + (g * L + key0 + j) * D;
-                for (int64_t d = 0; d < D; d++) dst[d * 8 + j] = key0 + j < L ? src[d] : 0.f;
-            }
-        }
+    check_args("localrun::attention_f32", q, k, v, 16, offset, window, lead);
+    const PackF32 p = pack_f32(k, v, lead);
+    Call<KeysF32> call{};
+    call.segs.push_back(alone(q.size(0), k.size(1), offset, window, lead, p.keys));
+    return run_call(call, q, k.size(0), scale, attend_task_f32);
+}
+
+at::Tensor attention_shared_f32(const at::Tensor& q, const at::Tensor& k_pre, const at::Tensor& v_pre,
+                                at::TensorList k_own, at::TensorList v_own, at::IntArrayRef rows, double scale) {
+    const char* name = "localrun::attention_shared_f32";
+    TORCH_CHECK(f32_allowed(), name, ": this CPU has no AVX2 and FMA (or LOCALRUN_ISA forbids them)");
+    check_args(name, q, k_pre, v_pre, 16, -1, 0, 0);
+    std::vector<PackF32> packs;
+    packs.reserve(rows.size() + 1);
+    packs.push_back(pack_f32(k_pre, v_pre, 0));
+    Call<KeysF32> call{};
+    call.S = k_pre.size(1);
+    call.shared = packs[0].keys;
+    call.segs = after_shared<KeysF32>(name, q, k_pre, k_own, v_own, rows, 16, [&](const at::Tensor& k, const at::Tensor& v) {
+        packs.push_back(pack_f32(k, v, 0));
+        return packs.back().keys;
     });
-    const int64_t G = Hq / Hkv;
-    CallF32 call{qc.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(), kpp, vc.data_ptr<float>(),
-                 T, Hq, Hkv, G, L, D, offset, window, static_cast<float>(scale * 1.4426950408889634)};
-    for_each_task(T, Hkv, G, [&](int64_t g, int64_t i0, int64_t i1) { attend_task_f32(call, g, i0, i1); });
-    return {out, lse};
+    return std::get<0>(run_call(call, q, k_pre.size(0), scale, attend_task_f32));
 }
 
 }  // namespace
 }  // namespace localrun
 
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
-    m.def("attention_bf16(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0) -> (Tensor, Tensor)");
+    m.def("attention_bf16(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0, int lead=0) -> (Tensor, Tensor)");
+    m.def("attention_shared_bf16(Tensor q, Tensor k_pre, Tensor v_pre, Tensor[] k_own, Tensor[] v_own, int[] rows, "
+          "float scale) -> Tensor");
     m.def("has_attention_bf16() -> bool", [] { return localrun::bf16_allowed(); });
-    m.def("attention_f32(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0) -> (Tensor, Tensor)");
+    m.def("attention_f32(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0, int lead=0) -> (Tensor, Tensor)");
+    m.def("attention_shared_f32(Tensor q, Tensor k_pre, Tensor v_pre, Tensor[] k_own, Tensor[] v_own, int[] rows, "
+          "float scale) -> Tensor");
     m.def("has_attention_f32() -> bool", [] { return localrun::f32_allowed(); });
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
     m.impl("attention_bf16", &localrun::attention_bf16);
+    m.impl("attention_shared_bf16", &localrun::attention_shared_bf16);
     m.impl("attention_f32", &localrun::attention_f32);
+    m.impl("attention_shared_f32", &localrun::attention_shared_f32);
 }
