@@ -130,6 +130,10 @@ def test_a_row_keeps_its_bits_wherever_its_keys_start_and_whatever_rows_share_it
     causal, _ = attention(kind)(q, k, v, offset, 0.125)
     tail, _ = attention(kind)(q[5:], k, v, offset + 5, 0.125)   # a chunk's last rows alone
     assert torch.equal(tail, causal[5:])
+    # keys and values as the engine's gather hands them: (L, Hkv, D) transposed, read with its strides
+    k_t, v_t = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
+    strided, _ = attention(kind)(q, k_t[:, 37:], v_t[:, 37:], offset - 37, 0.125, w, 37)
+    assert not k_t.is_contiguous() and torch.equal(strided, full)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -76,30 +76,53 @@ BF16_TARGET inline __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// 16 x 16 transposition of 32-bit words: out[c] word j = r[j] word c
+BF16_TARGET inline void transpose16(const __m512i* r, __m512i* out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {       // u[4i + c], 128-bit lane l: words c + 4l of r[4i .. 4i + 3]
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        out[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        out[c + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        out[c + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        out[c + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
 // Keys of one head (L, D) -> [n16 / 16][D / 2][16] pairs; values -> [n16 / 2][D / 16][16] pairs,
 // packed key lead + j holding key j. The packed keys before `lead` and past lead + L are zero
-// (their scores are masked), and so are their values (their weights are zero).
-BF16_TARGET void pack_block(const float* k, const float* v, int64_t L, int64_t D, int64_t key0, int64_t lead,
-                            uint32_t* kp, uint32_t* vp) {
+// (their scores are masked), and so are their values (their weights are zero). ks, vs: the
+// floats between keys (rows) of k and v.
+BF16_TARGET void pack_block(const float* k, const float* v, int64_t ks, int64_t vs, int64_t L, int64_t D,
+                            int64_t key0, int64_t lead, uint32_t* kp, uint32_t* vp) {
     const int64_t P = D / 2, C = D / 16;
-    alignas(64) uint32_t rows[16][128];                 // 16 keys' pairs before the transposition
-    for (int64_t j = 0; j < 16; j++) {
-        const int64_t key = key0 + j - lead;
-        for (int64_t d = 0; d < D; d += 32) {
-            const __m512i pr = key >= 0 && key < L ? pairs_of(_mm512_loadu_ps(k + key * D + d), _mm512_loadu_ps(k + key * D + d + 16))
-                                       : _mm512_setzero_si512();
-            _mm512_store_si512((__m512i*)&rows[j][d / 2], pr);
-        }
-    }
     uint32_t* kb = kp + key0 / 16 * P * 16;
-    for (int64_t p = 0; p < P; p++)
-        for (int64_t j = 0; j < 16; j++) kb[p * 16 + j] = rows[j][p];
+    for (int64_t d = 0; d < D; d += 32) {               // pairs d / 2 .. d / 2 + 15 of the 16 keys
+        __m512i r[16], out[16];
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t key = key0 + j - lead;
+            r[j] = key >= 0 && key < L ? pairs_of(_mm512_loadu_ps(k + key * ks + d), _mm512_loadu_ps(k + key * ks + d + 16))
+                                       : _mm512_setzero_si512();
+        }
+        transpose16(r, out);
+        for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512((__m512i*)(kb + (d / 2 + p) * 16), out[p]);
+    }
     for (int64_t t = 0; t < 8; t++) {                   // key pairs (key0 + 2t, key0 + 2t + 1)
         const int64_t a = key0 + 2 * t - lead, b = a + 1;
         uint32_t* vb = vp + (key0 / 2 + t) * C * 16;
         for (int64_t c = 0; c < C; c++) {
-            const __m512 va = a >= 0 && a < L ? _mm512_loadu_ps(v + a * D + c * 16) : _mm512_setzero_ps();
-            const __m512 vb16 = b >= 0 && b < L ? _mm512_loadu_ps(v + b * D + c * 16) : _mm512_setzero_ps();
+            const __m512 va = a >= 0 && a < L ? _mm512_loadu_ps(v + a * vs + c * 16) : _mm512_setzero_ps();
+            const __m512 vb16 = b >= 0 && b < L ? _mm512_loadu_ps(v + b * vs + c * 16) : _mm512_setzero_ps();
             // element 2i = value of key a at dim i, element 2i + 1 = key b's: interleave the halves
             const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(va));
             const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vb16));
@@ -234,6 +257,10 @@ void row_spans(const Segment<Keys>& seg, int64_t i0, int64_t R, int64_t RP, int6
     }
 }
 
+// k or v (Hkv, L, D) as it comes, where each row's D values are contiguous (the engine's gathered
+// keys are a transposed (L, Hkv, D) tensor: the packers read them with its strides, no copy)
+at::Tensor rows_of(const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); }
+
 // One KV head's keys and values in bfloat16 pairs (pack_block's layout), n16 packed keys a head
 struct PackedBF16 {
     const uint32_t* kp; const uint32_t* vp;
@@ -248,7 +275,7 @@ struct PackBF16 {
 // k, v (Hkv, L, D) packed for every head, key j at packed key lead + j
 PackBF16 pack_bf16(const at::Tensor& k, const at::Tensor& v, int64_t lead) {
     const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), n16 = (lead + L + 15) / 16 * 16, B = n16 / 16;
-    const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+    const at::Tensor kc = rows_of(k), vc = rows_of(v);
     PackBF16 p{at::empty({Hkv, n16 * D / 2}, at::kInt), at::empty({Hkv, n16 * D / 2}, at::kInt), {}};
     auto* kpp = reinterpret_cast<uint32_t*>(p.kp.data_ptr<int32_t>());
     auto* vpp = reinterpret_cast<uint32_t*>(p.vp.data_ptr<int32_t>());
@@ -257,7 +284,8 @@ PackBF16 pack_bf16(const at::Tensor& k, const at::Tensor& v, int64_t lead) {
     at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; b++) {
             const int64_t g = b / B;
-            pack_block(kd + g * L * D, vd + g * L * D, L, D, b % B * 16, lead, kpp + g * n16 * D / 2, vpp + g * n16 * D / 2);
+            pack_block(kd + g * kc.stride(0), vd + g * vc.stride(0), kc.stride(1), vc.stride(1), L, D, b % B * 16, lead,
+                       kpp + g * n16 * D / 2, vpp + g * n16 * D / 2);
         }
     });
     p.keys = {kpp, vpp, n16};
@@ -485,13 +513,13 @@ F32_TARGET inline void scores4_f32(const float* q, int64_t D, const float* kb, f
         for (int c = 0; c < 2; c++) _mm256_storeu_ps(s + i * KEYS + c * 8, _mm256_mul_ps(acc[i][c], scale));
 }
 
-// o[i][16 dims from d0] += sum over keys t < n of w[i][t] v[t] for RG rows (v: rows of D)
-F32_TARGET inline void values4_f32(const float* w, const float* v, int64_t n, int64_t D, int64_t d0, float* o) {
+// o[i][16 dims from d0] += sum over keys t < n of w[i][t] v[t] for RG rows (v: rows vr floats apart)
+F32_TARGET inline void values4_f32(const float* w, const float* v, int64_t n, int64_t vr, int64_t D, int64_t d0, float* o) {
     __m256 acc[RG][2];
     for (int i = 0; i < RG; i++)
         for (int c = 0; c < 2; c++) acc[i][c] = _mm256_loadu_ps(o + i * D + d0 + 8 * c);
     for (int64_t t = 0; t < n; t++) {
-        const __m256 v0 = _mm256_loadu_ps(v + t * D + d0), v1 = _mm256_loadu_ps(v + t * D + d0 + 8);
+        const __m256 v0 = _mm256_loadu_ps(v + t * vr + d0), v1 = _mm256_loadu_ps(v + t * vr + d0 + 8);
         for (int i = 0; i < RG; i++) {
             const __m256 wb = _mm256_broadcast_ss(w + i * KEYS + t);
             acc[i][0] = _mm256_fmadd_ps(wb, v0, acc[i][0]);
@@ -507,6 +535,7 @@ F32_TARGET inline void values4_f32(const float* w, const float* v, int64_t n, in
 struct KeysF32 {
     const float* kp; const float* v;
     int64_t n16, L, lead;
+    int64_t vh, vr;                              // the floats between heads and between rows of v
 };
 
 struct PackF32 {
@@ -514,24 +543,48 @@ struct PackF32 {
     KeysF32 keys;
 };
 
+// 8 x 8 transposition of floats: out[c] lane j = r[j] lane c
+F32_TARGET inline void transpose8_ps(const __m256* r, __m256* out) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {       // u[4i + c], 128-bit half h: lanes c + 4h of r[4i .. 4i + 3]
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        out[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        out[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+}
+
+F32_TARGET void pack_keys8(const float* k, int64_t ks, int64_t L, int64_t D, int64_t key0, float* dst) {
+    __m256 r[8], out[8];
+    for (int64_t d = 0; d < D; d += 8) {                // D is a multiple of 16
+        for (int j = 0; j < 8; j++) {
+            const int64_t key = key0 + j;
+            r[j] = key >= 0 && key < L ? _mm256_loadu_ps(k + key * ks + d) : _mm256_setzero_ps();
+        }
+        transpose8_ps(r, out);
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(dst + (d + c) * 8, out[c]);
+    }
+}
+
 PackF32 pack_f32(const at::Tensor& k, const at::Tensor& v, int64_t lead) {
     const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), n16 = (lead + L + 15) / 16 * 16, B = n16 / 8;
-    const at::Tensor kc = k.contiguous();
-    PackF32 p{at::empty({Hkv, n16 * D}, k.options()), v.contiguous(), {}};
+    const at::Tensor kc = rows_of(k);
+    PackF32 p{at::empty({Hkv, n16 * D}, k.options()), rows_of(v), {}};
     float* kpp = p.kp.data_ptr<float>();
     const float* kd = kc.data_ptr<float>();
     at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; b++) {                 // 8 keys of one head, transposed
-            const int64_t g = b / B, key0 = b % B * 8 - lead;
-            float* dst = kpp + b * D * 8;
-            for (int64_t j = 0; j < 8; j++) {
-                const int64_t key = key0 + j;
-                const float* src = kd + (g * L + key) * D;
-                for (int64_t d = 0; d < D; d++) dst[d * 8 + j] = key >= 0 && key < L ? src[d] : 0.f;
-            }
-        }
+        for (int64_t b = b0; b < b1; b++)                   // 8 keys of one head, transposed
+            pack_keys8(kd + b / B * kc.stride(0), kc.stride(1), L, D, b % B * 8 - lead, kpp + b * D * 8);
     });
-    p.keys = {kpp, p.v.data_ptr<float>(), n16, L, lead};
+    p.keys = {kpp, p.v.data_ptr<float>(), n16, L, lead, p.v.stride(0), p.v.stride(1)};
     return p;
 }
 
@@ -553,7 +606,7 @@ F32_TARGET void attend_task_f32(const Call<KeysF32>& a, int64_t s, int64_t g, in
         const float* kp = run.kp + (g * run.n16 + key) * D;
         // the block's stored keys: j0 .. j0 + nk - 1 of the run, those before 0 or from L on weigh 0
         const int64_t j0 = key - run.lead, lo = std::max<int64_t>(0, -j0), hi = std::min(nk, run.L - j0);
-        const float* vlo = run.v + (g * run.L + j0 + lo) * D;      // key j0 + lo's value
+        const float* vlo = run.v + g * run.vh + (j0 + lo) * run.vr;  // key j0 + lo's value
         // Each pass over the block's keys (16 at a time) or values (16 dims at a time) serves every
         // row of the task before it moves on, so those stay in L1 across the row groups: a group of
         // 4 rows alone read each value line once per 8 FMAs, as fast as L2 delivers it.
@@ -592,7 +645,7 @@ F32_TARGET void attend_task_f32(const Call<KeysF32>& a, int64_t s, int64_t g, in
         if (hi > lo)                                        // the keys outside weigh 0: skipping them adds nothing
             for (int64_t d0 = 0; d0 < D; d0 += 16)          // D is a multiple of 16
                 for (int64_t r = 0; r < RP; r += RG)
-                    values4_f32(w.data() + r * KEYS + lo, vlo, hi - lo, D, d0, o.data() + r * D);
+                    values4_f32(w.data() + r * KEYS + lo, vlo, hi - lo, run.vr, D, d0, o.data() + r * D);
     }
     finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, seg.row0 + i0, g, a.Hq, D);
 }
