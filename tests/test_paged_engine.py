@@ -612,11 +612,16 @@ def record_last_rows(monkeypatch) -> dict[int, list[torch.Tensor]]:
     """Per layer, the last row of each prompt chunk's attention output, in call order (8-bit
     activations downstream hide most last-bit differences from the logits; these do not)."""
     rows: dict[int, list[torch.Tensor]] = {}
-    one, shared = Attention._kernel_attend, Attention._kernel_attend_shared
+    one, in_pool, shared = Attention._kernel_attend, Attention._kernel_attend_pool, Attention._kernel_attend_shared
 
     def attend_one(self, *args, **kwargs):
         out = one(self, *args, **kwargs)
         rows.setdefault(self.layer, []).append(out[0][-1].clone())
+        return out
+
+    def attend_in_pool(self, *args):
+        out = in_pool(self, *args)
+        rows.setdefault(self.layer, []).append(out[-1].clone())
         return out
 
     def attend_shared(self, *args):
@@ -625,6 +630,7 @@ def record_last_rows(monkeypatch) -> dict[int, list[torch.Tensor]]:
         return outs
 
     monkeypatch.setattr(Attention, "_kernel_attend", attend_one)
+    monkeypatch.setattr(Attention, "_kernel_attend_pool", attend_in_pool)
     monkeypatch.setattr(Attention, "_kernel_attend_shared", attend_shared)
     return rows
 

@@ -157,6 +157,48 @@ def test_shared_prefix_rows_get_the_bits_of_one_call_over_their_keys(kind):
         shared_attention(kind)(torch.cat(qs), k_pre, v_pre, k_own[:1], v_own[:1], [5], 0.125)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_kernels_read_the_pool_where_the_keys_lie(kind, dtype):
+    """The paged ops read a sequence's keys and values in the engine's pool through its blocks
+    (shuffled, as a block table holds them) and give the bits of the kernels over the same keys
+    gathered into float32 tensors: a causal chunk, a window over keys trimmed to a position that
+    is not a block's start, and cascade rows over a shared prefix."""
+    from localrun.engine.paged_kv import PoolKeys
+    g = torch.Generator().manual_seed(13)
+    bs, n_blocks, Hkv, Hq, D = 16, 48, 2, 6, 64
+    k_pool, v_pool = (torch.randn(n_blocks * bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    order = torch.randperm(n_blocks, generator=g)
+    table = order[:20]                                  # one sequence: 320 positions
+
+    def gathered(pool, blocks, first, n):             # positions first .. first + n - 1 of blocks, float32 (Hkv, n, D)
+        p = torch.arange(first, first + n)
+        return pool[blocks[p // bs] * bs + p % bs].float().transpose(0, 1)
+
+    q = torch.randn(20, Hq, D, generator=g)
+    keys = PoolKeys(k_pool, v_pool, table, bs, 0, 300)
+    for key0, window in ((0, 0), (150, 100)):          # a causal chunk; a window of 100 over keys from 150 on
+        n, offset = 300 - key0, 280 - key0
+        got = kernels.attention_paged(kind, q, keys, key0, n, offset, 0.125, window, key0 % 64)
+        want = attention(kind)(q, gathered(k_pool, table, key0, n), gathered(v_pool, table, key0, n), offset, 0.125,
+                               window, key0 % 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), key0
+    S, own = 128, [(5, 5), (3, 70), (40, 61)]   # (rows, own keys) of three sequences after 128 shared
+    prefix = PoolKeys(k_pool, v_pool, order[:S // bs], bs, 0, S)
+    tables = [torch.cat([order[:S // bs], order[20 + 10 * i:30 + 10 * i]]) for i in range(3)]
+    own_keys = [PoolKeys(k_pool, v_pool, t[S // bs:], bs, S, n) for t, (_, n) in zip(tables, own)]
+    qs = torch.randn(sum(t for t, _ in own), Hq, D, generator=g)
+    got = kernels.attention_shared_paged(kind, qs, prefix, own_keys, [t for t, _ in own], 0.125)
+    want = shared_attention(kind)(qs, gathered(k_pool, order, 0, S), gathered(v_pool, order, 0, S),
+                                  [gathered(k_pool, t, S, n) for t, (_, n) in zip(tables, own)],
+                                  [gathered(v_pool, t, S, n) for t, (_, n) in zip(tables, own)], [t for t, _ in own], 0.125)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        kernels.attention_paged(kind, q, keys._replace(blocks=table + n_blocks), 0, 300, 280, 0.125)
+    with pytest.raises(RuntimeError, match="within the int64 blocks"):
+        kernels.attention_paged(kind, q, keys, 0, 330, 310, 0.125)
+
+
 def test_the_f32_kernel_equals_torchs_flash_attention():
     """attention_f32 computes what torch's float32 flash attention computes (the reference path,
     prompt_math "float32"), to float32 summation order: a causal prompt and a chunk after cached keys."""

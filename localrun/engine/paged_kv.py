@@ -114,6 +114,18 @@ class AccessPlan(NamedTuple):
     first_slot: int | None
 
 
+class PoolKeys(NamedTuple):
+    """Where a layer's keys and values for positions first .. first + num_tokens - 1 of one
+    sequence lie in the pool: the pools (slots, n_kv, hd) and the blocks holding them (the first
+    from position `first`, a multiple of the block size), for a kernel that reads them there."""
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    blocks: torch.Tensor
+    block_size: int
+    first: int
+    num_tokens: int
+
+
 POISON_ENV = "LOCALRUN_POISON_KV"
 
 
@@ -313,6 +325,11 @@ class PagedKVCache:
         k_store, v_store = self.layers[layer]
         return k_store.scale, v_store.scale
 
+    def readable_in_place(self, layer: int) -> bool:
+        """Whether a kernel can read the layer's keys and values where they lie (PoolKeys): a
+        float32, float16 or bfloat16 pool on the CPU."""
+        return self.kv_type in FLOAT_KV_TYPES and self.devices[layer].type == "cpu"
+
     def float_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's K and V values (codes, for a quantized pool), (num_blocks * block_size, n_kv, hd),
         for the paged kernel."""
@@ -439,6 +456,25 @@ class PagedSequenceView:
         if first_slot is not None:
             return self.cache.read_slots(layer, first_slot, num_tokens)
         return self.cache.gather(layer, blocks, num_tokens)
+
+    def update_in_pool(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, first: int = 0) -> PoolKeys | None:
+        """As `update`, but instead of a copy of the keys and values, where they lie in the pool
+        (the prompt attention kernels read them there); None, with nothing written, where the
+        pool cannot be read in place (`readable_in_place`)."""
+        if not self.cache.readable_in_place(layer):
+            return None
+        end = start + k.shape[0]
+        target, blocks, _ = self.plan(layer, start, end, first)
+        self.cache.write(layer, target, k, v)
+        begin = max(first, self.first_position(layer, start))
+        return PoolKeys(*self.cache.float_pools(layer), blocks, self.cache.block_size, begin, end - begin)
+
+    def pool_keys(self, layer: int, end: int) -> PoolKeys:
+        """Where positions 0..end-1 (written; `end` a multiple of the block size; not a local
+        layer) lie in a pool `readable_in_place`."""
+        bs = self.cache.block_size
+        assert end % bs == 0 and not self.cache.is_local(layer) and self.cache.readable_in_place(layer)
+        return PoolKeys(*self.cache.float_pools(layer), self.block_table[:end // bs], bs, 0, end)
 
     def read(self, layer: int, end: int):
         """This layer's keys and values for positions 0..end-1 (already written; `end` a

@@ -12,7 +12,8 @@
   with bfloat16 products and float32 sums (AVX-512 BF16 only: `has_attention_bf16()`);
   `attention_f32`, the same in float32 with FMA (AVX2: `has_attention_f32()`);
   `attention_shared_bf16` / `_f32`, the same for several sequences' rows over one shared prefix
-  (cascade attention, each row's bits those of the one-call kernel);
+  (cascade attention, each row's bits those of the one-call kernel); `attention_paged` and
+  `attention_shared_paged`, the same over keys read where they lie in the engine's pool;
   `prompt_attention_kind()` names the one the model uses here.
 
 Block layouts: csrc/blocks.h. Scalar reference: csrc/ref.h. Design and figures: docs/kernels.md.
@@ -145,6 +146,24 @@ def attention_shared_bf16(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Ten
     v_own[s] (Hkv, L_s, hd), its query i seeing keys up to S + L_s - rows[s] + i. Each row's
     output (sum of rows, Hq, hd) has the bits attention_bf16 gives it over its keys in one call."""
     return torch.ops.localrun.attention_shared_bf16(q, k_pre, v_pre, k_own, v_own, rows, scale)
+
+
+def attention_paged(kind: str, q: torch.Tensor, keys, key0: int, num_keys: int, offset: int, scale: float,
+                    window: int = 0, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_bf16 or attention_f32 (kind) over keys and values that lie in the engine's pool
+    (`keys`: paged_kv.PoolKeys; a float32, float16 or bfloat16 pool): key j is the position
+    keys.first + key0 + j, read where it lies; the same bits as over those keys gathered."""
+    return getattr(torch.ops.localrun, f"attention_paged_{kind}")(
+        q, keys.k_pool, keys.v_pool, keys.blocks, keys.block_size, key0, num_keys, offset, scale, window, lead)
+
+
+def attention_shared_paged(kind: str, q: torch.Tensor, prefix, own: list, rows: list[int], scale: float) -> torch.Tensor:
+    """attention_shared_bf16 or _f32 (kind) over keys in the engine's pool: `prefix`, the shared
+    keys (a PoolKeys from position 0, a multiple of PROMPT_KEY_BLOCK of them), and each
+    sequence's own keys after them (`own`: PoolKeys from the prefix's end), in the same pools."""
+    return getattr(torch.ops.localrun, f"attention_shared_paged_{kind}")(
+        q, prefix.k_pool, prefix.v_pool, prefix.blocks, prefix.num_tokens, [keys.blocks for keys in own],
+        [keys.num_tokens for keys in own], rows, prefix.block_size, scale)
 
 
 @lru_cache(maxsize=None)

@@ -230,6 +230,19 @@ class Attention(nn.Module):
         out = merge_by_lse(o_pre, lse_pre, torch.cat(o_own), torch.cat(lse_own))
         return list(out.to(q.dtype).split([s.length for s in segments]))
 
+    def _kernel_attend_pool(self, q, keys) -> torch.Tensor:
+        """The prompt kernel's attention of queries (t, H, hd) at the last t positions of `keys`
+        (paged_kv.PoolKeys) over them where they lie in the pool: what `_attend_causal` and
+        `_attend_window` compute with the kernel over the gathered keys, the same bits."""
+        t, end = q.shape[0], keys.first + keys.num_tokens
+        first, window = keys.first, 0
+        if self.window is not None:   # the keys from the first one a query sees; a window where one is cut
+            first = max(keys.first, end - t - self.window + 1)
+            window = 0 if end - self.window <= first else self.window
+        out, _ = kernels.attention_paged(self.prompt_kernel, q, keys, first - keys.first, end - first, end - t - first,
+                                         self.head_dim ** -0.5, window, first % kernels.PROMPT_KEY_BLOCK)
+        return out
+
     def _kernel_attend_shared(self, q, k, v, rows, segments: list[Segment]) -> list[torch.Tensor]:
         """The prompt kernel's cascade: the first S cached keys (S the shared prefix down to a
         multiple of the kernel's key block and of the block size) packed once for every
@@ -240,6 +253,13 @@ class Attention(nn.Module):
         if S == 0:
             return [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
                                  v[s.start:s.start + s.length], s) for s in segments]
+        lengths = [s.length for s in segments]
+        if hasattr(segments[0].cache, "update_in_pool") and segments[0].cache.cache.readable_in_place(self.layer):
+            own = [s.cache.update_in_pool(self.layer, s.cache_start, k[s.start:s.start + s.length],
+                                          v[s.start:s.start + s.length], first=S) for s in segments]
+            out = kernels.attention_shared_paged(self.prompt_kernel, rows, segments[0].cache.pool_keys(self.layer, S),
+                                                 own, lengths, self.head_dim ** -0.5)
+            return list(out.to(q.dtype).split(lengths))
         k_pre, v_pre = segments[0].cache.read(self.layer, S)                          # (n_kv, S, hd)
         k_own, v_own = [], []
         for s in segments:
@@ -272,8 +292,13 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, seg: Segment) -> torch.Tensor:
         """Causal attention of one segment's queries over its cached prefix plus itself (over
         the last `window` positions only, itself included, in a local layer)."""
+        t = q.shape[0]
+        if self._kernel(q) and not seg.rowwise and (t > 1 or seg.prompt) and hasattr(seg.cache, "update_in_pool"):
+            keys = seg.cache.update_in_pool(self.layer, seg.cache_start, k, v)
+            if keys is not None:      # the prompt kernel reads the keys where they lie in the pool
+                return self._kernel_attend_pool(q, keys)
         k_all, v_all = seg.cache.update(self.layer, seg.cache_start, k, v)   # (n_kv, L, hd)
-        t, L = q.shape[0], k_all.shape[1]
+        L = k_all.shape[1]
         if self.window is not None:   # a paged local layer returns the keys from its window's first block on
             return self._attend_window(q, k_all, v_all, seg.rowwise, seg.cache_start + t - L, seg.prompt)
         if seg.rowwise and t > 1:     # row i: one query over keys 0..L-t+i, as a decode step

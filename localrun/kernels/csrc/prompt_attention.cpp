@@ -8,6 +8,11 @@
 //   has_attention_bf16() -> bool   whether this CPU has AVX-512 BF16 (and LOCALRUN_ISA allows it)
 //   attention_f32(...), has_attention_f32(): the same in float32 with FMA, nothing rounded (AVX2
 //     hosts; the second half of this file)
+//   attention_paged_bf16 / _f32(q, k_pool, v_pool, blocks, block_size, key0, L, offset, scale,
+//     window=0, lead=0): the same over keys read where they lie in the engine's pool (float32,
+//     float16 or bfloat16; key j at position key0 + j of `blocks`), no gathered copy
+//   attention_shared_bf16 / _f32, attention_shared_paged_bf16 / _f32: several sequences' rows
+//     over one shared prefix (packed once) and their own keys (cascade attention; Segment below)
 //
 // Why: a prompt chunk over a cached prefix is two matrix products per head (Q.K^T and P.V) at
 // the float32 GEMM's ceiling (~130 GFLOP/s on 2 Zen 4 cores, torch's flash attention the same),
@@ -99,20 +104,45 @@ BF16_TARGET inline void transpose16(const __m512i* r, __m512i* out) {
     }
 }
 
-// Keys of one head (L, D) -> [n16 / 16][D / 2][16] pairs; values -> [n16 / 2][D / 16][16] pairs,
-// packed key lead + j holding key j. The packed keys before `lead` and past lead + L are zero
-// (their scores are masked), and so are their values (their weights are zero). ks, vs: the
-// floats between keys (rows) of k and v.
-BF16_TARGET void pack_block(const float* k, const float* v, int64_t ks, int64_t vs, int64_t L, int64_t D,
-                            int64_t key0, int64_t lead, uint32_t* kp, uint32_t* vp) {
-    const int64_t P = D / 2, C = D / 16;
+// Where key j (0 .. L - 1) of KV head g is: a float32 tensor (Hkv, L, D) read with its strides, or
+// the engine's paged pool itself (slots, Hkv, D) of float32, float16 or bfloat16, key j at
+// position key0 + j of `blocks` (block_size positions a block): the prompt rows attend over
+// their cached prefix where it lies, with no gathered copy.
+struct Source {
+    const uint8_t* data;
+    int kind;                  // 0 float32, 1 float16, 2 bfloat16
+    int64_t esize, L;
+    int64_t hs, rs;            // a tensor: elements between heads and between keys
+    const int64_t* blocks;     // a pool: its blocks (nullptr: a tensor)
+    int64_t bs, key0, n_kv, D;
+    const uint8_t* row(int64_t g, int64_t j) const {
+        if (blocks == nullptr) return data + (g * hs + j * rs) * esize;
+        const int64_t p = key0 + j;
+        return data + ((blocks[p / bs] * bs + p % bs) * n_kv + g) * D * esize;
+    }
+};
+
+// 16 values of a row from dim d, widened to float32 (exactly)
+BF16_TARGET inline __m512 load16(const Source& src, const uint8_t* row, int64_t d) {
+    if (src.kind == 0) return _mm512_loadu_ps((const float*)row + d);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d));
+    if (src.kind == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Keys of KV head g -> [n16 / 16][D / 2][16] pairs; values -> [n16 / 2][D / 16][16] pairs, packed
+// key lead + j holding key j. The packed keys before `lead` and past lead + L are zero (their
+// scores are masked), and so are their values (their weights are zero).
+BF16_TARGET void pack_block(const Source& k, const Source& v, int64_t g, int64_t D, int64_t key0, int64_t lead,
+                            uint32_t* kp, uint32_t* vp) {
+    const int64_t P = D / 2, C = D / 16, L = k.L;
     uint32_t* kb = kp + key0 / 16 * P * 16;
     for (int64_t d = 0; d < D; d += 32) {               // pairs d / 2 .. d / 2 + 15 of the 16 keys
         __m512i r[16], out[16];
         for (int64_t j = 0; j < 16; j++) {
             const int64_t key = key0 + j - lead;
-            r[j] = key >= 0 && key < L ? pairs_of(_mm512_loadu_ps(k + key * ks + d), _mm512_loadu_ps(k + key * ks + d + 16))
-                                       : _mm512_setzero_si512();
+            const uint8_t* row = key >= 0 && key < L ? k.row(g, key) : nullptr;
+            r[j] = row ? pairs_of(load16(k, row, d), load16(k, row, d + 16)) : _mm512_setzero_si512();
         }
         transpose16(r, out);
         for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512((__m512i*)(kb + (d / 2 + p) * 16), out[p]);
@@ -120,9 +150,11 @@ BF16_TARGET void pack_block(const float* k, const float* v, int64_t ks, int64_t 
     for (int64_t t = 0; t < 8; t++) {                   // key pairs (key0 + 2t, key0 + 2t + 1)
         const int64_t a = key0 + 2 * t - lead, b = a + 1;
         uint32_t* vb = vp + (key0 / 2 + t) * C * 16;
+        const uint8_t* ra = a >= 0 && a < L ? v.row(g, a) : nullptr;
+        const uint8_t* rb = b >= 0 && b < L ? v.row(g, b) : nullptr;
         for (int64_t c = 0; c < C; c++) {
-            const __m512 va = a >= 0 && a < L ? _mm512_loadu_ps(v + a * vs + c * 16) : _mm512_setzero_ps();
-            const __m512 vb16 = b >= 0 && b < L ? _mm512_loadu_ps(v + b * vs + c * 16) : _mm512_setzero_ps();
+            const __m512 va = ra ? load16(v, ra, c * 16) : _mm512_setzero_ps();
+            const __m512 vb16 = rb ? load16(v, rb, c * 16) : _mm512_setzero_ps();
             // element 2i = value of key a at dim i, element 2i + 1 = key b's: interleave the halves
             const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(va));
             const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vb16));
@@ -257,9 +289,49 @@ void row_spans(const Segment<Keys>& seg, int64_t i0, int64_t R, int64_t RP, int6
     }
 }
 
-// k or v (Hkv, L, D) as it comes, where each row's D values are contiguous (the engine's gathered
-// keys are a transposed (L, Hkv, D) tensor: the packers read them with its strides, no copy)
-at::Tensor rows_of(const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); }
+// A float32 tensor (Hkv, L, D) as a Source, read with its strides where each row's D values are
+// contiguous (the engine's gathered keys are a transposed (L, Hkv, D) tensor: no copy), and the
+// tensor it reads (a contiguous copy otherwise), which must outlive the call
+struct Held {
+    Source src;
+    at::Tensor keep;
+};
+
+Held tensor_source(const at::Tensor& x) {
+    const at::Tensor c = x.stride(2) == 1 ? x : x.contiguous();
+    return {{static_cast<const uint8_t*>(c.data_ptr()), 0, 4, c.size(1), c.stride(0), c.stride(1), nullptr, 0, 0, 0,
+             c.size(2)}, c};
+}
+
+// The pool's keys key0 .. key0 + L - 1 of `blocks` (checked by check_paged)
+Source pool_source(const at::Tensor& pool, const at::Tensor& blocks, int64_t block_size, int64_t key0, int64_t L) {
+    const int kind = pool.scalar_type() == at::kFloat ? 0 : pool.scalar_type() == at::kHalf ? 1 : 2;
+    return {static_cast<const uint8_t*>(pool.data_ptr()), kind, kind == 0 ? 4 : 2, L, 0, 0, blocks.data_ptr<int64_t>(),
+            block_size, key0, pool.size(1), pool.size(2)};
+}
+
+// The checks of the ops that read a pool: q (T, Hq, D) float32, the pools (slots, Hkv, D), each
+// run of keys (key0 .. key0 + L - 1 of its blocks) inside its blocks and the blocks in the pools
+void check_pools(const char* name, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t step) {
+    const auto t = k_pool.scalar_type();
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, name, ": q (T, Hq, D) float32");
+    TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == t &&
+                (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) && k_pool.is_contiguous() &&
+                v_pool.is_contiguous(), name, ": contiguous pools (slots, Hkv, D) of float32, float16 or bfloat16");
+    TORCH_CHECK(k_pool.size(2) == q.size(2) && q.size(2) % step == 0 && q.size(2) <= 256, name,
+                ": head size a multiple of ", step, ", at most 256");
+    TORCH_CHECK(k_pool.size(1) > 0 && q.size(1) % k_pool.size(1) == 0, name, ": query heads a multiple of KV heads");
+}
+
+void check_blocks(const char* name, const at::Tensor& pool, const at::Tensor& blocks, int64_t block_size, int64_t key0,
+                  int64_t L) {
+    TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kLong && blocks.is_contiguous() && block_size > 0 &&
+                key0 >= 0 && L > 0 && key0 + L <= blocks.size(0) * block_size, name,
+                ": keys key0 .. key0 + L - 1 (L > 0) within the int64 blocks");
+    const int64_t* b = blocks.data_ptr<int64_t>();
+    for (int64_t i = key0 / block_size; i < (key0 + L + block_size - 1) / block_size; i++)
+        TORCH_CHECK(b[i] >= 0 && (b[i] + 1) * block_size <= pool.size(0), name, ": block ", b[i], " is not in the pool");
+}
 
 // One KV head's keys and values in bfloat16 pairs (pack_block's layout), n16 packed keys a head
 struct PackedBF16 {
@@ -272,20 +344,16 @@ struct PackBF16 {
     PackedBF16 keys;
 };
 
-// k, v (Hkv, L, D) packed for every head, key j at packed key lead + j
-PackBF16 pack_bf16(const at::Tensor& k, const at::Tensor& v, int64_t lead) {
-    const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), n16 = (lead + L + 15) / 16 * 16, B = n16 / 16;
-    const at::Tensor kc = rows_of(k), vc = rows_of(v);
+// Keys and values of every KV head packed, key j at packed key lead + j
+PackBF16 pack_bf16(const Source& k, const Source& v, int64_t Hkv, int64_t D, int64_t lead) {
+    const int64_t n16 = (lead + k.L + 15) / 16 * 16, B = n16 / 16;
     PackBF16 p{at::empty({Hkv, n16 * D / 2}, at::kInt), at::empty({Hkv, n16 * D / 2}, at::kInt), {}};
     auto* kpp = reinterpret_cast<uint32_t*>(p.kp.data_ptr<int32_t>());
     auto* vpp = reinterpret_cast<uint32_t*>(p.vp.data_ptr<int32_t>());
-    const float* kd = kc.data_ptr<float>();
-    const float* vd = vc.data_ptr<float>();
     at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; b++) {
             const int64_t g = b / B;
-            pack_block(kd + g * kc.stride(0), vd + g * vc.stride(0), kc.stride(1), vc.stride(1), L, D, b % B * 16, lead,
-                       kpp + g * n16 * D / 2, vpp + g * n16 * D / 2);
+            pack_block(k, v, g, D, b % B * 16, lead, kpp + g * n16 * D / 2, vpp + g * n16 * D / 2);
         }
     });
     p.keys = {kpp, vpp, n16};
@@ -388,57 +456,133 @@ Segment<Keys> alone(int64_t T, int64_t L, int64_t offset, int64_t window, int64_
     return {0, T, lead + L, offset < 0 ? -1 : lead + offset, window, lead, own};
 }
 
-// Segments after a shared prefix (k_pre, v_pre: S grid keys): segment s's rows[s] rows, then its
-// own keys k_own[s] (grid keys S ..), row i of them seeing every key up to its own L - rows + i
+// Segments after a shared prefix of S grid keys: segment s's rows[s] rows, then its own keys
+// (k_own[s], v_own[s]: grid keys S ..), row i of them seeing every key up to its own L - rows + i
 template <typename Keys, typename Pack>
-std::vector<Segment<Keys>> after_shared(const char* name, const at::Tensor& q, const at::Tensor& k_pre,
-                                        at::TensorList k_own, at::TensorList v_own, at::IntArrayRef rows,
-                                        int64_t step, Pack&& pack) {
-    const int64_t S = k_pre.size(1);
-    TORCH_CHECK(S % KEYS == 0, name, ": a shared prefix of a multiple of ", KEYS, " keys");
+std::vector<Segment<Keys>> after_shared(const char* name, int64_t T, int64_t S, const std::vector<Source>& k_own,
+                                        const std::vector<Source>& v_own, at::IntArrayRef rows, Pack&& pack) {
+    TORCH_CHECK(S > 0 && S % KEYS == 0, name, ": a shared prefix of a multiple of ", KEYS, " keys");
     TORCH_CHECK(k_own.size() == rows.size() && v_own.size() == rows.size() && !rows.empty(), name,
-                ": one key tensor, one value tensor and a row count per segment");
+                ": the keys, the values and a row count of each segment");
     std::vector<Segment<Keys>> segs;
     int64_t row0 = 0;
     for (size_t s = 0; s < rows.size(); s++) {
-        const int64_t L = k_own[s].size(1), t = rows[s];
-        check_args(name, q, k_own[s], v_own[s], step, 0, 0, 0);
-        TORCH_CHECK(k_own[s].size(0) == k_pre.size(0) && t > 0 && t <= L, name,
-                    ": each segment's rows at most its own keys, its KV heads the prefix's");
+        const int64_t L = k_own[s].L, t = rows[s];
+        TORCH_CHECK(t > 0 && t <= L, name, ": each segment's rows at most its own keys");
         segs.push_back({row0, t, S + L, S + L - t, 0, 0, pack(k_own[s], v_own[s])});
         row0 += t;
     }
-    TORCH_CHECK(row0 == q.size(0), name, ": the segments' rows are q's rows");
+    TORCH_CHECK(row0 == T, name, ": the segments' rows are q's rows");
     return segs;
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  int64_t offset, double scale, int64_t window, int64_t lead) {
-    TORCH_CHECK(bf16_allowed(), "localrun::attention_bf16: this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)");
-    check_args("localrun::attention_bf16", q, k, v, 64, offset, window, lead);
-    const PackBF16 p = pack_bf16(k, v, lead);
-    Call<PackedBF16> call{};
-    call.segs.push_back(alone(q.size(0), k.size(1), offset, window, lead, p.keys));
-    return run_call(call, q, k.size(0), scale, attend_task);
+// One kernel's attention over its sources: one segment (the one-call ops), or segments after a
+// shared prefix (cascade). K: the kernel (BF16 below, F32 further down).
+template <typename K>
+std::tuple<at::Tensor, at::Tensor> attend_alone(const at::Tensor& q, const Source& k, const Source& v, int64_t Hkv,
+                                                int64_t offset, double scale, int64_t window, int64_t lead) {
+    const typename K::Pack p = K::pack(k, v, Hkv, q.size(2), lead);
+    Call<typename K::Keys> call{};
+    call.segs.push_back(alone(q.size(0), k.L, offset, window, lead, p.keys));
+    return run_call(call, q, Hkv, scale, K::task);
 }
 
-at::Tensor attention_shared_bf16(const at::Tensor& q, const at::Tensor& k_pre, const at::Tensor& v_pre,
-                                 at::TensorList k_own, at::TensorList v_own, at::IntArrayRef rows, double scale) {
-    const char* name = "localrun::attention_shared_bf16";
-    TORCH_CHECK(bf16_allowed(), name, ": this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)");
-    check_args(name, q, k_pre, v_pre, 64, -1, 0, 0);
-    std::vector<PackBF16> packs;
+template <typename K>
+at::Tensor attend_shared(const char* name, const at::Tensor& q, const Source& k_pre, const Source& v_pre,
+                         const std::vector<Source>& k_own, const std::vector<Source>& v_own, at::IntArrayRef rows,
+                         int64_t Hkv, double scale) {
+    std::vector<typename K::Pack> packs;
     packs.reserve(rows.size() + 1);
-    packs.push_back(pack_bf16(k_pre, v_pre, 0));
-    Call<PackedBF16> call{};
-    call.S = k_pre.size(1);
+    packs.push_back(K::pack(k_pre, v_pre, Hkv, q.size(2), 0));
+    Call<typename K::Keys> call{};
+    call.S = k_pre.L;
     call.shared = packs[0].keys;
-    call.segs = after_shared<PackedBF16>(name, q, k_pre, k_own, v_own, rows, 64, [&](const at::Tensor& k, const at::Tensor& v) {
-        packs.push_back(pack_bf16(k, v, 0));
+    call.segs = after_shared<typename K::Keys>(name, q.size(0), k_pre.L, k_own, v_own, rows,
+                                               [&](const Source& k, const Source& v) {
+        packs.push_back(K::pack(k, v, Hkv, q.size(2), 0));
         return packs.back().keys;
     });
-    return std::get<0>(run_call(call, q, k_pre.size(0), scale, attend_task));
+    return std::get<0>(run_call(call, q, Hkv, scale, K::task));
 }
+
+// The ops, for either kernel: over float32 tensors (the keys gathered: quantized pools, or a
+// model's own cache), or over the engine's pool where it holds float32, float16 or bfloat16
+template <typename K>
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             int64_t offset, double scale, int64_t window, int64_t lead) {
+    const std::string name = std::string("localrun::attention_") + K::NAME;
+    TORCH_CHECK(K::allowed(), name, K::REFUSAL);
+    check_args(name.c_str(), q, k, v, K::STEP, offset, window, lead);
+    const Held hk = tensor_source(k), hv = tensor_source(v);
+    return attend_alone<K>(q, hk.src, hv.src, k.size(0), offset, scale, window, lead);
+}
+
+template <typename K>
+std::tuple<at::Tensor, at::Tensor> attention_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                                   const at::Tensor& blocks, int64_t block_size, int64_t key0, int64_t L,
+                                                   int64_t offset, double scale, int64_t window, int64_t lead) {
+    const std::string name = std::string("localrun::attention_paged_") + K::NAME;
+    TORCH_CHECK(K::allowed(), name, K::REFUSAL);
+    check_pools(name.c_str(), q, k_pool, v_pool, K::STEP);
+    check_blocks(name.c_str(), k_pool, blocks, block_size, key0, L);
+    TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), name, ": a window needs a causal offset");
+    TORCH_CHECK(lead >= 0 && lead < KEYS, name, ": a lead of 0 to ", KEYS - 1, " keys");
+    return attend_alone<K>(q, pool_source(k_pool, blocks, block_size, key0, L),
+                           pool_source(v_pool, blocks, block_size, key0, L), k_pool.size(1), offset, scale, window, lead);
+}
+
+template <typename K>
+at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k_pre, const at::Tensor& v_pre, at::TensorList k_own,
+                            at::TensorList v_own, at::IntArrayRef rows, double scale) {
+    const std::string name = std::string("localrun::attention_shared_") + K::NAME;
+    TORCH_CHECK(K::allowed(), name, K::REFUSAL);
+    check_args(name.c_str(), q, k_pre, v_pre, K::STEP, -1, 0, 0);
+    TORCH_CHECK(k_own.size() == v_own.size(), name, ": the keys, the values and a row count of each segment");
+    const Held pre_k = tensor_source(k_pre), pre_v = tensor_source(v_pre);
+    std::vector<Held> held;
+    std::vector<Source> ks, vs;
+    for (size_t s = 0; s < k_own.size(); s++) {
+        check_args(name.c_str(), q, k_own[s], v_own[s], K::STEP, 0, 0, 0);
+        TORCH_CHECK(k_own[s].size(0) == k_pre.size(0), name, ": each segment's KV heads the prefix's");
+        held.push_back(tensor_source(k_own[s]));
+        ks.push_back(held.back().src);
+        held.push_back(tensor_source(v_own[s]));
+        vs.push_back(held.back().src);
+    }
+    return attend_shared<K>(name.c_str(), q, pre_k.src, pre_v.src, ks, vs, rows, k_pre.size(0), scale);
+}
+
+template <typename K>
+at::Tensor attention_shared_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& blocks_pre, int64_t S, at::TensorList blocks_own,
+                                  at::IntArrayRef own_keys, at::IntArrayRef rows, int64_t block_size, double scale) {
+    const std::string name = std::string("localrun::attention_shared_paged_") + K::NAME;
+    TORCH_CHECK(K::allowed(), name, K::REFUSAL);
+    check_pools(name.c_str(), q, k_pool, v_pool, K::STEP);
+    check_blocks(name.c_str(), k_pool, blocks_pre, block_size, 0, S);
+    TORCH_CHECK(blocks_own.size() == own_keys.size(), name, ": the blocks and the number of own keys of each segment");
+    std::vector<Source> ks, vs;
+    for (size_t s = 0; s < blocks_own.size(); s++) {
+        check_blocks(name.c_str(), k_pool, blocks_own[s], block_size, 0, own_keys[s]);
+        ks.push_back(pool_source(k_pool, blocks_own[s], block_size, 0, own_keys[s]));
+        vs.push_back(pool_source(v_pool, blocks_own[s], block_size, 0, own_keys[s]));
+    }
+    return attend_shared<K>(name.c_str(), q, pool_source(k_pool, blocks_pre, block_size, 0, S),
+                            pool_source(v_pool, blocks_pre, block_size, 0, S), ks, vs, rows, k_pool.size(1), scale);
+}
+
+struct BF16 {
+    using Keys = PackedBF16;
+    using Pack = PackBF16;
+    static constexpr const char* NAME = "bf16";
+    static constexpr const char* REFUSAL = ": this CPU has no AVX-512 BF16 (or LOCALRUN_ISA forbids it)";
+    static constexpr int64_t STEP = 64;
+    static bool allowed() { return bf16_allowed(); }
+    static Pack pack(const Source& k, const Source& v, int64_t Hkv, int64_t D, int64_t lead) {
+        return pack_bf16(k, v, Hkv, D, lead);
+    }
+    static void task(const Call<Keys>& a, int64_t s, int64_t g, int64_t i0, int64_t i1) { attend_task(a, s, g, i0, i1); }
+};
 
 // ---- The same attention in float32 with FMA (AVX2 hosts; AVX-512 ones without BF16) ----
 //
@@ -449,7 +593,7 @@ at::Tensor attention_shared_bf16(const at::Tensor& q, const at::Tensor& k_pre, c
 // vector for each dim (KeysF32 below); values are read as stored (a row of D per key). A task is
 // the same as above: one KV head, the grouped query heads of a few positions, on the same key grid.
 
-#define F32_TARGET __attribute__((target("avx2,fma")))
+#define F32_TARGET __attribute__((target("avx2,fma,f16c")))
 constexpr int64_t RG = 6;      // query rows per register tile: 12 accumulators of 16 (2 x 8 lanes each)
 
 bool f32_allowed() {
@@ -458,8 +602,7 @@ bool f32_allowed() {
         const std::string forced = env ? env : "";
         __builtin_cpu_init();
         return (forced.empty() || forced == "avx512" || forced == "avxvnni" || forced == "avx2") &&
-               __builtin_cpu_supports("avx2") &&
-               __builtin_cpu_supports("fma");
+               __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     }();
     return allowed;
 }
@@ -543,6 +686,14 @@ struct PackF32 {
     KeysF32 keys;
 };
 
+// 8 values of a row from dim d, widened to float32 (exactly)
+F32_TARGET inline __m256 load8(const Source& src, const uint8_t* row, int64_t d) {
+    if (src.kind == 0) return _mm256_loadu_ps((const float*)row + d);
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + d));
+    if (src.kind == 1) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // 8 x 8 transposition of floats: out[c] lane j = r[j] lane c
 F32_TARGET inline void transpose8_ps(const __m256* r, __m256* out) {
     __m256 t[8], u[8];
@@ -562,29 +713,46 @@ F32_TARGET inline void transpose8_ps(const __m256* r, __m256* out) {
     }
 }
 
-F32_TARGET void pack_keys8(const float* k, int64_t ks, int64_t L, int64_t D, int64_t key0, float* dst) {
+// Keys key0 .. key0 + 7 of KV head g (zeros outside 0 .. L - 1) transposed: dst[d][8]
+F32_TARGET void pack_keys8(const Source& k, int64_t g, int64_t D, int64_t key0, float* dst) {
+    const uint8_t* rows[8];
+    for (int j = 0; j < 8; j++) rows[j] = key0 + j >= 0 && key0 + j < k.L ? k.row(g, key0 + j) : nullptr;
     __m256 r[8], out[8];
     for (int64_t d = 0; d < D; d += 8) {                // D is a multiple of 16
-        for (int j = 0; j < 8; j++) {
-            const int64_t key = key0 + j;
-            r[j] = key >= 0 && key < L ? _mm256_loadu_ps(k + key * ks + d) : _mm256_setzero_ps();
-        }
+        for (int j = 0; j < 8; j++) r[j] = rows[j] ? load8(k, rows[j], d) : _mm256_setzero_ps();
         transpose8_ps(r, out);
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(dst + (d + c) * 8, out[c]);
     }
 }
 
-PackF32 pack_f32(const at::Tensor& k, const at::Tensor& v, int64_t lead) {
-    const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), n16 = (lead + L + 15) / 16 * 16, B = n16 / 8;
-    const at::Tensor kc = rows_of(k);
-    PackF32 p{at::empty({Hkv, n16 * D}, k.options()), rows_of(v), {}};
+// Values of KV head g as float32 rows (L, D), from a pool or a 16-bit source
+F32_TARGET void widen_rows(const Source& v, int64_t g, int64_t D, float* dst) {
+    for (int64_t j = 0; j < v.L; j++) {
+        const uint8_t* row = v.row(g, j);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(v, row, d));
+    }
+}
+
+// Keys packed for every head (key j at packed key lead + j); values read where they are (a
+// float32 tensor) or widened into float32 rows (a pool)
+PackF32 pack_f32(const Source& k, const Source& v, int64_t Hkv, int64_t D, int64_t lead) {
+    const int64_t n16 = (lead + k.L + 15) / 16 * 16, B = n16 / 8;
+    PackF32 p{at::empty({Hkv, n16 * D}, at::kFloat), at::Tensor(), {}};
     float* kpp = p.kp.data_ptr<float>();
-    const float* kd = kc.data_ptr<float>();
     at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; b++)                   // 8 keys of one head, transposed
-            pack_keys8(kd + b / B * kc.stride(0), kc.stride(1), L, D, b % B * 8 - lead, kpp + b * D * 8);
+            pack_keys8(k, b / B, D, b % B * 8 - lead, kpp + b * D * 8);
     });
-    p.keys = {kpp, p.v.data_ptr<float>(), n16, L, lead, p.v.stride(0), p.v.stride(1)};
+    if (v.blocks == nullptr && v.kind == 0) {
+        p.keys = {kpp, reinterpret_cast<const float*>(v.data), n16, k.L, lead, v.hs, v.rs};
+        return p;
+    }
+    p.v = at::empty({Hkv, v.L, D}, at::kFloat);
+    float* vd = p.v.data_ptr<float>();
+    at::parallel_for(0, Hkv, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; g++) widen_rows(v, g, D, vd + g * v.L * D);
+    });
+    p.keys = {kpp, vd, n16, k.L, lead, v.L * D, D};
     return p;
 }
 
@@ -650,51 +818,47 @@ F32_TARGET void attend_task_f32(const Call<KeysF32>& a, int64_t s, int64_t g, in
     finish_rows(a.out, a.lse, o.data(), m.data(), l.data(), R, G, seg.row0 + i0, g, a.Hq, D);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 int64_t offset, double scale, int64_t window, int64_t lead) {
-    TORCH_CHECK(f32_allowed(), "localrun::attention_f32: this CPU has no AVX2 and FMA (or LOCALRUN_ISA forbids them)");
-    check_args("localrun::attention_f32", q, k, v, 16, offset, window, lead);
-    const PackF32 p = pack_f32(k, v, lead);
-    Call<KeysF32> call{};
-    call.segs.push_back(alone(q.size(0), k.size(1), offset, window, lead, p.keys));
-    return run_call(call, q, k.size(0), scale, attend_task_f32);
-}
-
-at::Tensor attention_shared_f32(const at::Tensor& q, const at::Tensor& k_pre, const at::Tensor& v_pre,
-                                at::TensorList k_own, at::TensorList v_own, at::IntArrayRef rows, double scale) {
-    const char* name = "localrun::attention_shared_f32";
-    TORCH_CHECK(f32_allowed(), name, ": this CPU has no AVX2 and FMA (or LOCALRUN_ISA forbids them)");
-    check_args(name, q, k_pre, v_pre, 16, -1, 0, 0);
-    std::vector<PackF32> packs;
-    packs.reserve(rows.size() + 1);
-    packs.push_back(pack_f32(k_pre, v_pre, 0));
-    Call<KeysF32> call{};
-    call.S = k_pre.size(1);
-    call.shared = packs[0].keys;
-    call.segs = after_shared<KeysF32>(name, q, k_pre, k_own, v_own, rows, 16, [&](const at::Tensor& k, const at::Tensor& v) {
-        packs.push_back(pack_f32(k, v, 0));
-        return packs.back().keys;
-    });
-    return std::get<0>(run_call(call, q, k_pre.size(0), scale, attend_task_f32));
-}
+struct F32 {
+    using Keys = KeysF32;
+    using Pack = PackF32;
+    static constexpr const char* NAME = "f32";
+    static constexpr const char* REFUSAL = ": this CPU has no AVX2, FMA and F16C (or LOCALRUN_ISA forbids them)";
+    static constexpr int64_t STEP = 16;
+    static bool allowed() { return f32_allowed(); }
+    static Pack pack(const Source& k, const Source& v, int64_t Hkv, int64_t D, int64_t lead) {
+        return pack_f32(k, v, Hkv, D, lead);
+    }
+    static void task(const Call<Keys>& a, int64_t s, int64_t g, int64_t i0, int64_t i1) { attend_task_f32(a, s, g, i0, i1); }
+};
 
 }  // namespace
 }  // namespace localrun
 
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
-    m.def("attention_bf16(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0, int lead=0) -> (Tensor, Tensor)");
-    m.def("attention_shared_bf16(Tensor q, Tensor k_pre, Tensor v_pre, Tensor[] k_own, Tensor[] v_own, int[] rows, "
-          "float scale) -> Tensor");
+    for (const char* kind : {"bf16", "f32"}) {
+        const std::string k = kind;
+        m.def(("attention_" + k + "(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0, int lead=0) -> "
+               "(Tensor, Tensor)").c_str());
+        m.def(("attention_paged_" + k + "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor blocks, int block_size, int key0, "
+               "int L, int offset, float scale, int window=0, int lead=0) -> (Tensor, Tensor)").c_str());
+        m.def(("attention_shared_" + k + "(Tensor q, Tensor k_pre, Tensor v_pre, Tensor[] k_own, Tensor[] v_own, "
+               "int[] rows, float scale) -> Tensor").c_str());
+        m.def(("attention_shared_paged_" + k + "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor blocks_pre, int S, "
+               "Tensor[] blocks_own, int[] own_keys, int[] rows, int block_size, float scale) -> Tensor").c_str());
+    }
     m.def("has_attention_bf16() -> bool", [] { return localrun::bf16_allowed(); });
-    m.def("attention_f32(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0, int lead=0) -> (Tensor, Tensor)");
-    m.def("attention_shared_f32(Tensor q, Tensor k_pre, Tensor v_pre, Tensor[] k_own, Tensor[] v_own, int[] rows, "
-          "float scale) -> Tensor");
     m.def("has_attention_f32() -> bool", [] { return localrun::f32_allowed(); });
 }
 
 TORCH_LIBRARY_IMPL(localrun, CPU, m) {
-    m.impl("attention_bf16", &localrun::attention_bf16);
-    m.impl("attention_shared_bf16", &localrun::attention_shared_bf16);
-    m.impl("attention_f32", &localrun::attention_f32);
-    m.impl("attention_shared_f32", &localrun::attention_shared_f32);
+    using localrun::BF16;
+    using localrun::F32;
+    m.impl("attention_bf16", &localrun::attention<BF16>);
+    m.impl("attention_paged_bf16", &localrun::attention_paged<BF16>);
+    m.impl("attention_shared_bf16", &localrun::attention_shared<BF16>);
+    m.impl("attention_shared_paged_bf16", &localrun::attention_shared_paged<BF16>);
+    m.impl("attention_f32", &localrun::attention<F32>);
+    m.impl("attention_paged_f32", &localrun::attention_paged<F32>);
+    m.impl("attention_shared_f32", &localrun::attention_shared<F32>);
+    m.impl("attention_shared_paged_f32", &localrun::attention_shared_paged<F32>);
 }
