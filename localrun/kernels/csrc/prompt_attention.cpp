@@ -115,10 +115,24 @@ struct Source {
     int64_t hs, rs;            // a tensor: elements between heads and between keys
     const int64_t* blocks;     // a pool: its blocks (nullptr: a tensor)
     int64_t bs, key0, n_kv, D;
-    const uint8_t* row(int64_t g, int64_t j) const {
-        if (blocks == nullptr) return data + (g * hs + j * rs) * esize;
-        const int64_t p = key0 + j;
-        return data + ((blocks[p / bs] * bs + p % bs) * n_kv + g) * D * esize;
+    // out[i]: key j0 + i's row of KV head g where that key exists (0 <= j < L), else nullptr;
+    // one division for the n keys, not one each
+    void rows(int64_t g, int64_t j0, int n, const uint8_t** out) const {
+        const int64_t lo = std::max<int64_t>(j0, 0), hi = std::min(j0 + n, L);
+        for (int i = 0; i < n; i++) out[i] = nullptr;
+        if (lo >= hi) return;
+        if (blocks == nullptr) {
+            for (int64_t j = lo; j < hi; j++) out[j - j0] = data + (g * hs + j * rs) * esize;
+            return;
+        }
+        int64_t b = (key0 + lo) / bs, o = (key0 + lo) % bs;
+        for (int64_t j = lo; j < hi; j++) {
+            out[j - j0] = data + ((blocks[b] * bs + o) * n_kv + g) * D * esize;
+            if (++o == bs) {
+                o = 0;
+                b++;
+            }
+        }
     }
 };
 
@@ -135,23 +149,21 @@ BF16_TARGET inline __m512 load16(const Source& src, const uint8_t* row, int64_t 
 // scores are masked), and so are their values (their weights are zero).
 BF16_TARGET void pack_block(const Source& k, const Source& v, int64_t g, int64_t D, int64_t key0, int64_t lead,
                             uint32_t* kp, uint32_t* vp) {
-    const int64_t P = D / 2, C = D / 16, L = k.L;
+    const int64_t P = D / 2, C = D / 16;
+    const uint8_t *krows[16], *vrows[16];
+    k.rows(g, key0 - lead, 16, krows);
+    v.rows(g, key0 - lead, 16, vrows);
     uint32_t* kb = kp + key0 / 16 * P * 16;
     for (int64_t d = 0; d < D; d += 32) {               // pairs d / 2 .. d / 2 + 15 of the 16 keys
         __m512i r[16], out[16];
-        for (int64_t j = 0; j < 16; j++) {
-            const int64_t key = key0 + j - lead;
-            const uint8_t* row = key >= 0 && key < L ? k.row(g, key) : nullptr;
-            r[j] = row ? pairs_of(load16(k, row, d), load16(k, row, d + 16)) : _mm512_setzero_si512();
-        }
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = krows[j] ? pairs_of(load16(k, krows[j], d), load16(k, krows[j], d + 16)) : _mm512_setzero_si512();
         transpose16(r, out);
         for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512((__m512i*)(kb + (d / 2 + p) * 16), out[p]);
     }
     for (int64_t t = 0; t < 8; t++) {                   // key pairs (key0 + 2t, key0 + 2t + 1)
-        const int64_t a = key0 + 2 * t - lead, b = a + 1;
         uint32_t* vb = vp + (key0 / 2 + t) * C * 16;
-        const uint8_t* ra = a >= 0 && a < L ? v.row(g, a) : nullptr;
-        const uint8_t* rb = b >= 0 && b < L ? v.row(g, b) : nullptr;
+        const uint8_t *ra = vrows[2 * t], *rb = vrows[2 * t + 1];
         for (int64_t c = 0; c < C; c++) {
             const __m512 va = ra ? load16(v, ra, c * 16) : _mm512_setzero_ps();
             const __m512 vb16 = rb ? load16(v, rb, c * 16) : _mm512_setzero_ps();
@@ -716,7 +728,7 @@ F32_TARGET inline void transpose8_ps(const __m256* r, __m256* out) {
 // Keys key0 .. key0 + 7 of KV head g (zeros outside 0 .. L - 1) transposed: dst[d][8]
 F32_TARGET void pack_keys8(const Source& k, int64_t g, int64_t D, int64_t key0, float* dst) {
     const uint8_t* rows[8];
-    for (int j = 0; j < 8; j++) rows[j] = key0 + j >= 0 && key0 + j < k.L ? k.row(g, key0 + j) : nullptr;
+    k.rows(g, key0, 8, rows);
     __m256 r[8], out[8];
     for (int64_t d = 0; d < D; d += 8) {                // D is a multiple of 16
         for (int j = 0; j < 8; j++) r[j] = rows[j] ? load8(k, rows[j], d) : _mm256_setzero_ps();
@@ -727,9 +739,11 @@ F32_TARGET void pack_keys8(const Source& k, int64_t g, int64_t D, int64_t key0, 
 
 // Values of KV head g as float32 rows (L, D), from a pool or a 16-bit source
 F32_TARGET void widen_rows(const Source& v, int64_t g, int64_t D, float* dst) {
-    for (int64_t j = 0; j < v.L; j++) {
-        const uint8_t* row = v.row(g, j);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(v, row, d));
+    const uint8_t* rows[16];
+    for (int64_t j0 = 0; j0 < v.L; j0 += 16) {
+        v.rows(g, j0, 16, rows);
+        for (int64_t j = j0; j < std::min(j0 + 16, v.L); j++)
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(v, rows[j - j0], d));
     }
 }
 
