@@ -737,14 +737,13 @@ F32_TARGET void pack_keys8(const Source& k, int64_t g, int64_t D, int64_t key0, 
     }
 }
 
-// Values of KV head g as float32 rows (L, D), from a pool or a 16-bit source
-F32_TARGET void widen_rows(const Source& v, int64_t g, int64_t D, float* dst) {
+// Values j0 .. j0 + 15 (those that exist) of KV head g as float32 rows of D, from a pool or a
+// 16-bit source
+F32_TARGET void widen_rows(const Source& v, int64_t g, int64_t j0, int64_t D, float* dst) {
     const uint8_t* rows[16];
-    for (int64_t j0 = 0; j0 < v.L; j0 += 16) {
-        v.rows(g, j0, 16, rows);
-        for (int64_t j = j0; j < std::min(j0 + 16, v.L); j++)
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(v, rows[j - j0], d));
-    }
+    v.rows(g, j0, 16, rows);
+    for (int64_t j = j0; j < std::min(j0 + 16, v.L); j++)
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(v, rows[j - j0], d));
 }
 
 // Keys packed for every head (key j at packed key lead + j); values read where they are (a
@@ -763,8 +762,9 @@ PackF32 pack_f32(const Source& k, const Source& v, int64_t Hkv, int64_t D, int64
     }
     p.v = at::empty({Hkv, v.L, D}, at::kFloat);
     float* vd = p.v.data_ptr<float>();
-    at::parallel_for(0, Hkv, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; g++) widen_rows(v, g, D, vd + g * v.L * D);
+    const int64_t V16 = (v.L + 15) / 16;
+    at::parallel_for(0, Hkv * V16, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++) widen_rows(v, b / V16, b % V16 * 16, D, vd + b / V16 * v.L * D);
     });
     p.keys = {kpp, vd, n16, k.L, lead, v.L * D, D};
     return p;
