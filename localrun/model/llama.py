@@ -131,9 +131,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-CASC_OFF = [False]
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, wqkv, wo, layer: int, bias: torch.Tensor | None = None,
                  q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, fused: bool = False,
@@ -192,7 +189,7 @@ class Attention(nn.Module):
         outs: dict[int, torch.Tensor] = {}
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(segments):
-            if s.shared is not None and self.window is None and q.device.type == "cpu" and not (CASC_OFF[0] and self._kernel(q)):
+            if s.shared is not None and self.window is None and q.device.type == "cpu":
                 groups.setdefault(id(s.shared), []).append(i)
             else:
                 outs[i] = self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
@@ -208,7 +205,8 @@ class Attention(nn.Module):
         0..C-1) in one call, each segment's rows over its own keys C.. in another, merged by
         their log-sum-exps. Softmax over the union of two key sets is the two partial softmaxes
         weighted by e^lse each, so the result is the masked attention of `_attend` (to float32
-        rounding) without gathering the prefix once per sequence."""
+        rounding) without gathering the prefix once per sequence. With the prompt kernel,
+        `_kernel_attend_shared` instead: exactly the bits of `_attend`."""
         G, C = self.n_head // self.n_head_kv, segments[0].shared.num_tokens
         rows = torch.cat([q[s.start:s.start + s.length] for s in segments])          # (R, H, hd)
         if self._kernel(q):
@@ -268,9 +266,8 @@ class Attention(nn.Module):
             k_own.append(k_s.float())
             v_own.append(v_s.float())
         attend = kernels.attention_shared_bf16 if self.prompt_kernel == "bf16" else kernels.attention_shared_f32
-        out = attend(rows, k_pre.float(), v_pre.float(), k_own, v_own, [s.length for s in segments],
-                     self.head_dim ** -0.5)
-        return list(out.to(q.dtype).split([s.length for s in segments]))
+        out = attend(rows, k_pre.float(), v_pre.float(), k_own, v_own, lengths, self.head_dim ** -0.5)
+        return list(out.to(q.dtype).split(lengths))
 
     def _attend_after_cached(self, q, k_all, v_all) -> torch.Tensor:
         """Queries (t, H, hd) at the last t positions of L keys: every query sees all C = L - t
