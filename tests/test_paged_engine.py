@@ -671,14 +671,16 @@ def test_a_prompt_gets_the_same_logits_fresh_and_after_a_prefix_hit(tiny_gguf, a
         assert torch.equal(row, fresh_rows[layer]), layer
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
-def test_prompts_on_one_cached_prefix_get_their_own_logits_together(tiny_gguf, architecture, monkeypatch):
+@pytest.mark.parametrize("architecture,kv_type", [("llama", "f16"), ("gemma3", "f16"), ("llama", "int8")])
+def test_prompts_on_one_cached_prefix_get_their_own_logits_together(tiny_gguf, architecture, kv_type, monkeypatch):
     """Cascade attention through the kernel: prompts that took the same prefix-cache hit in one
     step attend the shared keys in one call, and each still gets the logprobs it gets alone (the
     bits: the shared keys are walked in the same key blocks as alone; the two partial softmaxes
-    merged by their log-sum-exps, as before, rounded otherwise)."""
+    merged by their log-sum-exps, as before, rounded otherwise). A float16 pool is read in place,
+    an int8 one gathered (dequantized) first."""
     model = kernel_model(tiny_gguf, architecture)
-    engine = make_engine(model, 0, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+    engine = make_engine(model, 0, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, kv_type=kv_type)
+    assert engine.kv_cache.readable_in_place(0) == (kv_type == "f16")
     prefix = random_ids(90, seed=60)
     first_logprobs(engine, [prefix + [5]], "prefix")                 # caches 88 tokens (22 blocks of 4)
     prompts = [prefix + random_ids(n, seed=61 + n) for n in (1, 3, 6)]
