@@ -676,11 +676,11 @@ def test_prompts_on_one_cached_prefix_get_their_own_logits_together(tiny_gguf, a
     """Cascade attention through the kernel: prompts that took the same prefix-cache hit in one
     step attend the shared keys in one call, and each still gets the logprobs it gets alone (the
     bits: the shared keys are walked in the same key blocks as alone; the two partial softmaxes
-    merged by their log-sum-exps, as before, rounded otherwise). A float16 pool is read in place,
-    an int8 one gathered (dequantized) first."""
+    merged by their log-sum-exps, as before, rounded otherwise). Either pool is read in place:
+    float16 values, int8 codes times their scales."""
     model = kernel_model(tiny_gguf, architecture)
     engine = make_engine(model, 0, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, kv_type=kv_type)
-    assert engine.kv_cache.readable_in_place(0) == (kv_type == "f16")
+    assert engine.kv_cache.readable_in_place(0)
     prefix = random_ids(90, seed=60)
     first_logprobs(engine, [prefix + [5]], "prefix")                 # caches 88 tokens (22 blocks of 4)
     prompts = [prefix + random_ids(n, seed=61 + n) for n in (1, 3, 6)]
@@ -704,3 +704,36 @@ def test_prompts_on_one_cached_prefix_get_their_own_logits_together(tiny_gguf, a
     assert sorted(together_rows) == sorted(alone_rows) == list(range(model.config.n_layers))
     for layer, got in together_rows.items():
         assert len(got) == len(prompts) and all(torch.equal(a, b) for a, b in zip(got, alone_rows[layer])), layer
+
+
+@pytest.mark.parametrize("architecture,kv_type", [("llama", "int8"), ("llama", "fp8"), ("gemma3", "int8")])
+def test_quantized_pools_read_in_place_give_the_bits_of_their_gathered_keys(tiny_gguf, architecture, kv_type,
+                                                                            monkeypatch):
+    """Prompt rows read an int8 or fp8 pool where it lies (codes times their scales as the
+    kernel packs them) and get the logprobs and attention rows of the keys gathered and
+    dequantized first (the path before, kept for caches read without a pool): a prompt in
+    chunks that end inside blocks (the next chunk's int8 K block is requantized with its new
+    rows before it is read), and then a tail after a prefix hit."""
+    model = kernel_model(tiny_gguf, architecture)
+    prefix = random_ids(90, seed=70)
+    prompts = [prefix + random_ids(11, seed=71), prefix + random_ids(6, seed=72)]
+    rows = record_last_rows(monkeypatch)
+    pool_reads = []
+    real = PagedKVCache.pool_keys
+    monkeypatch.setattr(PagedKVCache, "pool_keys", lambda self, *args: pool_reads.append(1) or real(self, *args))
+    results = []
+    for in_place in (True, False):
+        if not in_place:
+            monkeypatch.setattr(PagedKVCache, "readable_in_place", lambda self, layer: False)
+        engine = make_engine(model, 0, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=30, kv_type=kv_type)
+        rows.clear()
+        logprobs = first_logprobs(engine, prompts[:1], "fresh") + first_logprobs(engine, prompts[1:], "hit")
+        assert engine.stats()["prefix_cache_hit_tokens"] == 88
+        results.append((logprobs, {layer: torch.stack(got) for layer, got in rows.items()}))
+        assert (len(pool_reads) > 0) == in_place
+        pool_reads.clear()
+    (got, got_rows), (want, want_rows) = results
+    assert got == want
+    assert sorted(got_rows) == sorted(want_rows) == list(range(model.config.n_layers))
+    for layer, r in got_rows.items():
+        assert torch.equal(r, want_rows[layer]), layer

@@ -157,46 +157,81 @@ def test_shared_prefix_rows_get_the_bits_of_one_call_over_their_keys(kind):
         shared_attention(kind)(torch.cat(qs), k_pre, v_pre, k_own[:1], v_own[:1], [5], 0.125)
 
 
+def quantized_pools(kv_type: str, n_blocks: int, bs: int, Hkv: int, D: int, g: torch.Generator):
+    """Random int8 or fp8 (e4m3fn bytes) K and V codes with their scales in paged_kv.py's layouts
+    (int8 K: one scale per block and channel; the others: one per 32 values of a token's head),
+    and values(pool, scale, slots, is_key): the float32 values there, code x scale as the stores read them."""
+    slots, group = n_blocks * bs, 32
+    if kv_type == "int8":
+        k_pool, v_pool = (torch.randint(-127, 128, (slots, Hkv, D), generator=g, dtype=torch.int8) for _ in range(2))
+    else:       # every byte but the two NaNs (0x7f, 0xff), which the stores never write
+        codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        k_pool, v_pool = (codes[torch.randint(0, len(codes), (slots, Hkv, D), generator=g)] for _ in range(2))
+    k_rows = n_blocks if kv_type == "int8" else slots
+    k_scale = torch.rand(k_rows, Hkv, D if kv_type == "int8" else D // group, generator=g) + 0.01
+    v_scale = torch.rand(slots, Hkv, D // group, generator=g) + 0.01
+
+    def values(pool, scale, at, is_key):
+        codes = pool[at].float() if kv_type == "int8" else pool[at].view(torch.float8_e4m3fn).float()
+        if is_key and kv_type == "int8":
+            return codes * scale[at // bs]
+        return (codes.view(len(at), Hkv, D // group, group) * scale[at][..., None]).view(len(at), Hkv, D)
+
+    return k_pool, v_pool, k_scale, v_scale, values
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "int8", "fp8"])
 def test_the_kernels_read_the_pool_where_the_keys_lie(kind, dtype):
     """The paged ops read a sequence's keys and values in the engine's pool through its blocks
     (shuffled, as a block table holds them) and give the bits of the kernels over the same keys
     gathered into float32 tensors: a causal chunk, a window over keys trimmed to a position that
-    is not a block's start, and cascade rows over a shared prefix."""
+    is not a block's start, and cascade rows over a shared prefix. Quantized pools (int8, fp8)
+    are read as codes times their scales, the values the stores' read gives."""
     from localrun.engine.paged_kv import PoolKeys
     g = torch.Generator().manual_seed(13)
     bs, n_blocks, Hkv, Hq, D = 16, 48, 2, 6, 64
-    k_pool, v_pool = (torch.randn(n_blocks * bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    if isinstance(dtype, str):
+        k_pool, v_pool, k_scale, v_scale, values = quantized_pools(dtype, n_blocks, bs, Hkv, D, g)
+        scales = (k_scale, v_scale)
+    else:
+        k_pool, v_pool = (torch.randn(n_blocks * bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
+        scales, values = (None, None), lambda pool, scale, at, is_key: pool[at].float()
     order = torch.randperm(n_blocks, generator=g)
     table = order[:20]                                  # one sequence: 320 positions
 
-    def gathered(pool, blocks, first, n):             # positions first .. first + n - 1 of blocks, float32 (Hkv, n, D)
+    def gathered(is_key, blocks, first, n):           # positions first .. first + n - 1 of blocks, float32 (Hkv, n, D)
         p = torch.arange(first, first + n)
-        return pool[blocks[p // bs] * bs + p % bs].float().transpose(0, 1)
+        pool, scale = (k_pool, scales[0]) if is_key else (v_pool, scales[1])
+        return values(pool, scale, blocks[p // bs] * bs + p % bs, is_key).transpose(0, 1)
 
     q = torch.randn(20, Hq, D, generator=g)
-    keys = PoolKeys(k_pool, v_pool, table, bs, 0, 300)
+    keys = PoolKeys(k_pool, v_pool, table, bs, 0, 300, *scales)
     for key0, window in ((0, 0), (150, 100)):          # a causal chunk; a window of 100 over keys from 150 on
         n, offset = 300 - key0, 280 - key0
         got = kernels.attention_paged(kind, q, keys, key0, n, offset, 0.125, window, key0 % 64)
-        want = attention(kind)(q, gathered(k_pool, table, key0, n), gathered(v_pool, table, key0, n), offset, 0.125,
+        want = attention(kind)(q, gathered(True, table, key0, n), gathered(False, table, key0, n), offset, 0.125,
                                window, key0 % 64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), key0
     S, own = 128, [(5, 5), (3, 70), (40, 61)]   # (rows, own keys) of three sequences after 128 shared
-    prefix = PoolKeys(k_pool, v_pool, order[:S // bs], bs, 0, S)
+    prefix = PoolKeys(k_pool, v_pool, order[:S // bs], bs, 0, S, *scales)
     tables = [torch.cat([order[:S // bs], order[20 + 10 * i:30 + 10 * i]]) for i in range(3)]
-    own_keys = [PoolKeys(k_pool, v_pool, t[S // bs:], bs, S, n) for t, (_, n) in zip(tables, own)]
+    own_keys = [PoolKeys(k_pool, v_pool, t[S // bs:], bs, S, n, *scales) for t, (_, n) in zip(tables, own)]
     qs = torch.randn(sum(t for t, _ in own), Hq, D, generator=g)
     got = kernels.attention_shared_paged(kind, qs, prefix, own_keys, [t for t, _ in own], 0.125)
-    want = shared_attention(kind)(qs, gathered(k_pool, order, 0, S), gathered(v_pool, order, 0, S),
-                                  [gathered(k_pool, t, S, n) for t, (_, n) in zip(tables, own)],
-                                  [gathered(v_pool, t, S, n) for t, (_, n) in zip(tables, own)], [t for t, _ in own], 0.125)
+    want = shared_attention(kind)(qs, gathered(True, order, 0, S), gathered(False, order, 0, S),
+                                  [gathered(True, t, S, n) for t, (_, n) in zip(tables, own)],
+                                  [gathered(False, t, S, n) for t, (_, n) in zip(tables, own)], [t for t, _ in own], 0.125)
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="not in the pool"):
         kernels.attention_paged(kind, q, keys._replace(blocks=table + n_blocks), 0, 300, 280, 0.125)
     with pytest.raises(RuntimeError, match="within the int64 blocks"):
         kernels.attention_paged(kind, q, keys, 0, 330, 310, 0.125)
+    if isinstance(dtype, str):
+        with pytest.raises(RuntimeError, match="come with their K and V scales"):
+            kernels.attention_paged(kind, q, keys._replace(k_scale=None), 0, 300, 280, 0.125)
+        with pytest.raises(RuntimeError, match="V scales per group"):
+            kernels.attention_paged(kind, q, keys._replace(v_scale=v_scale.repeat(1, 1, 4)), 0, 300, 280, 0.125)
 
 
 def test_the_f32_kernel_equals_torchs_flash_attention():

@@ -117,13 +117,16 @@ class AccessPlan(NamedTuple):
 class PoolKeys(NamedTuple):
     """Where a layer's keys and values for positions first .. first + num_tokens - 1 of one
     sequence lie in the pool: the pools (slots, n_kv, hd) and the blocks holding them (the first
-    from position `first`, a multiple of the block size), for a kernel that reads them there."""
+    from position `first`, a multiple of the block size), for a kernel that reads them there; a
+    quantized pool's codes come with their scales (the stores' layouts: `scales`)."""
     k_pool: torch.Tensor
     v_pool: torch.Tensor
     blocks: torch.Tensor
     block_size: int
     first: int
     num_tokens: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 POISON_ENV = "LOCALRUN_POISON_KV"
@@ -327,8 +330,14 @@ class PagedKVCache:
 
     def readable_in_place(self, layer: int) -> bool:
         """Whether a kernel can read the layer's keys and values where they lie (PoolKeys): a
-        float32, float16 or bfloat16 pool on the CPU."""
-        return self.kv_type in FLOAT_KV_TYPES and self.devices[layer].type == "cpu"
+        pool on the CPU, of any KV type (int8 and fp8 codes with their scales)."""
+        return self.devices[layer].type == "cpu"
+
+    def pool_keys(self, layer: int, blocks: torch.Tensor, first: int, num_tokens: int) -> PoolKeys:
+        """Positions first .. first + num_tokens - 1 of the layer's pool in `blocks` (from the block
+        holding `first`), with a quantized pool's scales."""
+        scales = self.scales(layer) if self.quantized else (None, None)
+        return PoolKeys(*self.float_pools(layer), blocks, self.block_size, first, num_tokens, *scales)
 
     def float_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's K and V values (codes, for a quantized pool), (num_blocks * block_size, n_kv, hd),
@@ -467,14 +476,14 @@ class PagedSequenceView:
         target, blocks, _ = self.plan(layer, start, end, first)
         self.cache.write(layer, target, k, v)
         begin = max(first, self.first_position(layer, start))
-        return PoolKeys(*self.cache.float_pools(layer), blocks, self.cache.block_size, begin, end - begin)
+        return self.cache.pool_keys(layer, blocks, begin, end - begin)
 
     def pool_keys(self, layer: int, end: int) -> PoolKeys:
         """Where positions 0..end-1 (written; `end` a multiple of the block size; not a local
         layer) lie in a pool `readable_in_place`."""
         bs = self.cache.block_size
         assert end % bs == 0 and not self.cache.is_local(layer) and self.cache.readable_in_place(layer)
-        return PoolKeys(*self.cache.float_pools(layer), self.block_table[:end // bs], bs, 0, end)
+        return self.cache.pool_keys(layer, self.block_table[:end // bs], 0, end)
 
     def read(self, layer: int, end: int):
         """This layer's keys and values for positions 0..end-1 (already written; `end` a

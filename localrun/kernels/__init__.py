@@ -151,10 +151,12 @@ def attention_shared_bf16(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Ten
 def attention_paged(kind: str, q: torch.Tensor, keys, key0: int, num_keys: int, offset: int, scale: float,
                     window: int = 0, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_bf16 or attention_f32 (kind) over keys and values that lie in the engine's pool
-    (`keys`: paged_kv.PoolKeys; a float32, float16 or bfloat16 pool): key j is the position
-    keys.first + key0 + j, read where it lies; the same bits as over those keys gathered."""
+    (`keys`: paged_kv.PoolKeys; a float32, float16 or bfloat16 pool, or int8 / fp8 codes with their
+    scales): key j is the position keys.first + key0 + j, read where it lies; the same bits as over
+    those keys gathered (codes times their scales, as the stores' read computes them)."""
     return getattr(torch.ops.localrun, f"attention_paged_{kind}")(
-        q, keys.k_pool, keys.v_pool, keys.blocks, keys.block_size, key0, num_keys, offset, scale, window, lead)
+        q, keys.k_pool, keys.v_pool, keys.blocks, keys.block_size, key0, num_keys, offset, scale, window, lead,
+        keys.k_scale, keys.v_scale)
 
 
 def attention_shared_paged(kind: str, q: torch.Tensor, prefix, own: list, rows: list[int], scale: float) -> torch.Tensor:
@@ -163,7 +165,7 @@ def attention_shared_paged(kind: str, q: torch.Tensor, prefix, own: list, rows: 
     sequence's own keys after them (`own`: PoolKeys from the prefix's end), in the same pools."""
     return getattr(torch.ops.localrun, f"attention_shared_paged_{kind}")(
         q, prefix.k_pool, prefix.v_pool, prefix.blocks, prefix.num_tokens, [keys.blocks for keys in own],
-        [keys.num_tokens for keys in own], rows, prefix.block_size, scale)
+        [keys.num_tokens for keys in own], rows, prefix.block_size, scale, prefix.k_scale, prefix.v_scale)
 
 
 @lru_cache(maxsize=None)

@@ -252,21 +252,12 @@ class Attention(nn.Module):
             return [self._attend(q[s.start:s.start + s.length], k[s.start:s.start + s.length],
                                  v[s.start:s.start + s.length], s) for s in segments]
         lengths = [s.length for s in segments]
-        if hasattr(segments[0].cache, "update_in_pool") and segments[0].cache.cache.readable_in_place(self.layer):
-            own = [s.cache.update_in_pool(self.layer, s.cache_start, k[s.start:s.start + s.length],
-                                          v[s.start:s.start + s.length], first=S) for s in segments]
-            out = kernels.attention_shared_paged(self.prompt_kernel, rows, segments[0].cache.pool_keys(self.layer, S),
-                                                 own, lengths, self.head_dim ** -0.5)
-            return list(out.to(q.dtype).split(lengths))
-        k_pre, v_pre = segments[0].cache.read(self.layer, S)                          # (n_kv, S, hd)
-        k_own, v_own = [], []
-        for s in segments:
-            rows_s = slice(s.start, s.start + s.length)
-            k_s, v_s = s.cache.update(self.layer, s.cache_start, k[rows_s], v[rows_s], first=S)  # (n_kv, L - S, hd)
-            k_own.append(k_s.float())
-            v_own.append(v_s.float())
-        attend = kernels.attention_shared_bf16 if self.prompt_kernel == "bf16" else kernels.attention_shared_f32
-        out = attend(rows, k_pre.float(), v_pre.float(), k_own, v_own, lengths, self.head_dim ** -0.5)
+        # the keys where they lie in the paged pool (segments share a prefix only there; a CPU
+        # pool of any KV type is read in place)
+        own = [s.cache.update_in_pool(self.layer, s.cache_start, k[s.start:s.start + s.length],
+                                      v[s.start:s.start + s.length], first=S) for s in segments]
+        out = kernels.attention_shared_paged(self.prompt_kernel, rows, segments[0].cache.pool_keys(self.layer, S),
+                                             own, lengths, self.head_dim ** -0.5)
         return list(out.to(q.dtype).split(lengths))
 
     def _attend_after_cached(self, q, k_all, v_all) -> torch.Tensor:

@@ -9,8 +9,9 @@
 //   attention_f32(...), has_attention_f32(): the same in float32 with FMA, nothing rounded (AVX2
 //     hosts; the second half of this file)
 //   attention_paged_bf16 / _f32(q, k_pool, v_pool, blocks, block_size, key0, L, offset, scale,
-//     window=0, lead=0): the same over keys read where they lie in the engine's pool (float32,
-//     float16 or bfloat16; key j at position key0 + j of `blocks`), no gathered copy
+//     window=0, lead=0, k_scale=None, v_scale=None): the same over keys read where they lie in
+//     the engine's pool (float32, float16, bfloat16, or int8 / float8 codes with their scales;
+//     key j at position key0 + j of `blocks`), no gathered copy
 //   attention_shared_bf16 / _f32, attention_shared_paged_bf16 / _f32: several sequences' rows
 //     over one shared prefix (packed once) and their own keys (cascade attention; Segment below)
 //
@@ -105,21 +106,28 @@ BF16_TARGET inline void transpose16(const __m512i* r, __m512i* out) {
 }
 
 // Where key j (0 .. L - 1) of KV head g is: a float32 tensor (Hkv, L, D) read with its strides, or
-// the engine's paged pool itself (slots, Hkv, D) of float32, float16 or bfloat16, key j at
-// position key0 + j of `blocks` (block_size positions a block): the prompt rows attend over
-// their cached prefix where it lies, with no gathered copy.
+// the engine's paged pool itself (slots, Hkv, D) of float32, float16, bfloat16, int8 or float8
+// codes, key j at position key0 + j of `blocks` (block_size positions a block): the prompt rows
+// attend over their cached prefix where it lies, with no gathered copy. Codes come with their
+// float32 scales in paged_kv.py's layouts, and a value is code x scale, one float32 product, as
+// the stores' read (and kernels.gather_kv) computes it: the same values as the gathered keys.
 struct Source {
     const uint8_t* data;
-    int kind;                  // 0 float32, 1 float16, 2 bfloat16
+    int kind;                  // 0 float32, 1 float16, 2 bfloat16, 3 int8 codes, 4 float8 e4m3fn codes
     int64_t esize, L;
     int64_t hs, rs;            // a tensor: elements between heads and between keys
     const int64_t* blocks;     // a pool: its blocks (nullptr: a tensor)
     int64_t bs, key0, n_kv, D;
-    // out[i]: key j0 + i's row of KV head g where that key exists (0 <= j < L), else nullptr;
-    // one division for the n keys, not one each
-    void rows(int64_t g, int64_t j0, int n, const uint8_t** out) const {
+    const float* scale = nullptr;   // codes: group 1, one scale per block and channel (blocks, Hkv, D)
+    int64_t group = 0;              // (int8 K); else one per `group` values of a token's head (slots, Hkv, D / group)
+    // out[i]: key j0 + i's row of KV head g where that key exists (0 <= j < L), else nullptr, and
+    // sc[i] (codes) its scales, indexed by channel (group 1) or by channel / group; one division
+    // for the n keys, not one each
+    void rows(int64_t g, int64_t j0, int n, const uint8_t** out, const float** sc = nullptr) const {
         const int64_t lo = std::max<int64_t>(j0, 0), hi = std::min(j0 + n, L);
         for (int i = 0; i < n; i++) out[i] = nullptr;
+        if (sc != nullptr)
+            for (int i = 0; i < n; i++) sc[i] = nullptr;
         if (lo >= hi) return;
         if (blocks == nullptr) {
             for (int64_t j = lo; j < hi; j++) out[j - j0] = data + (g * hs + j * rs) * esize;
@@ -127,7 +135,10 @@ struct Source {
         }
         int64_t b = (key0 + lo) / bs, o = (key0 + lo) % bs;
         for (int64_t j = lo; j < hi; j++) {
-            out[j - j0] = data + ((blocks[b] * bs + o) * n_kv + g) * D * esize;
+            const int64_t slot = blocks[b] * bs + o;
+            out[j - j0] = data + (slot * n_kv + g) * D * esize;
+            if (scale != nullptr && sc != nullptr)
+                sc[j - j0] = group == 1 ? scale + (blocks[b] * n_kv + g) * D : scale + (slot * n_kv + g) * (D / group);
             if (++o == bs) {
                 o = 0;
                 b++;
@@ -136,9 +147,25 @@ struct Source {
     }
 };
 
-// 16 values of a row from dim d, widened to float32 (exactly)
-BF16_TARGET inline __m512 load16(const Source& src, const uint8_t* row, int64_t d) {
+// 16 values of a row from dim d as float32: 16-bit values widened exactly, codes times their
+// scales (sc: the row's, Source::rows)
+BF16_TARGET inline __m512 fp8x16(const uint8_t* p) {       // float8 e4m3fn, exactly (paged_attention.cpp's fp8_value)
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
+    __m512 v = _mm512_mask_blend_ps(_mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78)), normal, sub);
+    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), v, _mm512_set1_ps(NAN));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24)));
+}
+BF16_TARGET inline __m512 load16(const Source& src, const uint8_t* row, const float* sc, int64_t d) {
     if (src.kind == 0) return _mm512_loadu_ps((const float*)row + d);
+    if (src.kind >= 3) {
+        const __m512 s = src.group == 1 ? _mm512_loadu_ps(sc + d) : _mm512_set1_ps(sc[d / src.group]);
+        const __m512 c = src.kind == 3 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + d))))
+                                       : fp8x16(row + d);
+        return _mm512_mul_ps(c, s);
+    }
     const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d));
     if (src.kind == 1) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -151,22 +178,25 @@ BF16_TARGET void pack_block(const Source& k, const Source& v, int64_t g, int64_t
                             uint32_t* kp, uint32_t* vp) {
     const int64_t P = D / 2, C = D / 16;
     const uint8_t *krows[16], *vrows[16];
-    k.rows(g, key0 - lead, 16, krows);
-    v.rows(g, key0 - lead, 16, vrows);
+    const float *ksc[16], *vsc[16];
+    k.rows(g, key0 - lead, 16, krows, ksc);
+    v.rows(g, key0 - lead, 16, vrows, vsc);
     uint32_t* kb = kp + key0 / 16 * P * 16;
     for (int64_t d = 0; d < D; d += 32) {               // pairs d / 2 .. d / 2 + 15 of the 16 keys
         __m512i r[16], out[16];
         for (int64_t j = 0; j < 16; j++)
-            r[j] = krows[j] ? pairs_of(load16(k, krows[j], d), load16(k, krows[j], d + 16)) : _mm512_setzero_si512();
+            r[j] = krows[j] ? pairs_of(load16(k, krows[j], ksc[j], d), load16(k, krows[j], ksc[j], d + 16))
+                             : _mm512_setzero_si512();
         transpose16(r, out);
         for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512((__m512i*)(kb + (d / 2 + p) * 16), out[p]);
     }
     for (int64_t t = 0; t < 8; t++) {                   // key pairs (key0 + 2t, key0 + 2t + 1)
         uint32_t* vb = vp + (key0 / 2 + t) * C * 16;
         const uint8_t *ra = vrows[2 * t], *rb = vrows[2 * t + 1];
+        const float *sa = vsc[2 * t], *sb = vsc[2 * t + 1];
         for (int64_t c = 0; c < C; c++) {
-            const __m512 va = ra ? load16(v, ra, c * 16) : _mm512_setzero_ps();
-            const __m512 vb16 = rb ? load16(v, rb, c * 16) : _mm512_setzero_ps();
+            const __m512 va = ra ? load16(v, ra, sa, c * 16) : _mm512_setzero_ps();
+            const __m512 vb16 = rb ? load16(v, rb, sb, c * 16) : _mm512_setzero_ps();
             // element 2i = value of key a at dim i, element 2i + 1 = key b's: interleave the halves
             const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(va));
             const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vb16));
@@ -315,24 +345,55 @@ Held tensor_source(const at::Tensor& x) {
              c.size(2)}, c};
 }
 
-// The pool's keys key0 .. key0 + L - 1 of `blocks` (checked by check_paged)
-Source pool_source(const at::Tensor& pool, const at::Tensor& blocks, int64_t block_size, int64_t key0, int64_t L) {
-    const int kind = pool.scalar_type() == at::kFloat ? 0 : pool.scalar_type() == at::kHalf ? 1 : 2;
-    return {static_cast<const uint8_t*>(pool.data_ptr()), kind, kind == 0 ? 4 : 2, L, 0, 0, blocks.data_ptr<int64_t>(),
-            block_size, key0, pool.size(1), pool.size(2)};
+// The pool's keys key0 .. key0 + L - 1 of `blocks` (checked by check_pools and check_blocks);
+// codes with their scales (an int8 K pool's per block and channel, the others' per token)
+Source pool_source(const at::Tensor& pool, const c10::optional<at::Tensor>& scale, const at::Tensor& blocks,
+                   int64_t block_size, int64_t key0, int64_t L) {
+    const auto t = pool.scalar_type();
+    const int kind = t == at::kFloat ? 0 : t == at::kHalf ? 1 : t == at::kBFloat16 ? 2 : t == at::kChar ? 3 : 4;
+    Source src{static_cast<const uint8_t*>(pool.data_ptr()), kind, (int64_t)pool.element_size(), L, 0, 0,
+               blocks.data_ptr<int64_t>(), block_size, key0, pool.size(1), pool.size(2)};
+    if (kind >= 3) {
+        src.scale = scale->data_ptr<float>();
+        src.group = scale->size(0) == pool.size(0) ? pool.size(2) / scale->size(2) : 1;
+    }
+    return src;
 }
 
 // The checks of the ops that read a pool: q (T, Hq, D) float32, the pools (slots, Hkv, D), each
-// run of keys (key0 .. key0 + L - 1 of its blocks) inside its blocks and the blocks in the pools
-void check_pools(const char* name, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t step) {
+// run of keys (key0 .. key0 + L - 1 of its blocks) inside its blocks and the blocks in the pools;
+// int8 or float8 (uint8) codes with float32 scales as paged_kv.py lays them out: an int8 K pool's
+// one per block and channel (slots / block_size, Hkv, D), the others' one per group of a token's
+// values (slots, Hkv, D / group), the groups a multiple of 16 values
+void check_pools(const char* name, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t step,
+                 const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale, int64_t block_size) {
     const auto t = k_pool.scalar_type();
     TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, name, ": q (T, Hq, D) float32");
     TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == t &&
-                (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) && k_pool.is_contiguous() &&
-                v_pool.is_contiguous(), name, ": contiguous pools (slots, Hkv, D) of float32, float16 or bfloat16");
+                (t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kChar || t == at::kByte) &&
+                k_pool.is_contiguous() && v_pool.is_contiguous(), name,
+                ": contiguous pools (slots, Hkv, D) of float32, float16, bfloat16, int8 or float8 (uint8) codes");
     TORCH_CHECK(k_pool.size(2) == q.size(2) && q.size(2) % step == 0 && q.size(2) <= 256, name,
                 ": head size a multiple of ", step, ", at most 256");
     TORCH_CHECK(k_pool.size(1) > 0 && q.size(1) % k_pool.size(1) == 0, name, ": query heads a multiple of KV heads");
+    const bool codes = t == at::kChar || t == at::kByte;
+    TORCH_CHECK(codes == (k_scale.has_value() && v_scale.has_value()), name,
+                ": int8 and float8 pools come with their K and V scales, the others with none");
+    if (!codes) return;
+    const int64_t slots = k_pool.size(0), Hkv = k_pool.size(1), D = k_pool.size(2);
+    for (const at::Tensor* s : {&*k_scale, &*v_scale})
+        TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 && s->size(1) == Hkv,
+                    name, ": contiguous float32 scales (rows, Hkv, channels)");
+    const auto per_token = [&](const at::Tensor& s) {
+        return s.size(0) == slots && s.size(2) >= 1 && D % s.size(2) == 0 && (D / s.size(2)) % 16 == 0;
+    };
+    if (t == at::kChar) {
+        TORCH_CHECK(block_size > 0 && slots % block_size == 0 && k_scale->size(0) == slots / block_size &&
+                    k_scale->size(2) == D, name, ": int8 K scales per block and channel (slots / block_size, Hkv, D)");
+    } else {
+        TORCH_CHECK(per_token(*k_scale), name, ": float8 K scales per group of 16n values of a token (slots, Hkv, D / group)");
+    }
+    TORCH_CHECK(per_token(*v_scale), name, ": V scales per group of 16n values of a token (slots, Hkv, D / group)");
 }
 
 void check_blocks(const char* name, const at::Tensor& pool, const at::Tensor& blocks, int64_t block_size, int64_t key0,
@@ -532,15 +593,18 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
 template <typename K>
 std::tuple<at::Tensor, at::Tensor> attention_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                                    const at::Tensor& blocks, int64_t block_size, int64_t key0, int64_t L,
-                                                   int64_t offset, double scale, int64_t window, int64_t lead) {
+                                                   int64_t offset, double scale, int64_t window, int64_t lead,
+                                                   const c10::optional<at::Tensor>& k_scale,
+                                                   const c10::optional<at::Tensor>& v_scale) {
     const std::string name = std::string("localrun::attention_paged_") + K::NAME;
     TORCH_CHECK(K::allowed(), name, K::REFUSAL);
-    check_pools(name.c_str(), q, k_pool, v_pool, K::STEP);
+    check_pools(name.c_str(), q, k_pool, v_pool, K::STEP, k_scale, v_scale, block_size);
     check_blocks(name.c_str(), k_pool, blocks, block_size, key0, L);
     TORCH_CHECK(window == 0 || (window > 0 && offset >= 0), name, ": a window needs a causal offset");
     TORCH_CHECK(lead >= 0 && lead < KEYS, name, ": a lead of 0 to ", KEYS - 1, " keys");
-    return attend_alone<K>(q, pool_source(k_pool, blocks, block_size, key0, L),
-                           pool_source(v_pool, blocks, block_size, key0, L), k_pool.size(1), offset, scale, window, lead);
+    return attend_alone<K>(q, pool_source(k_pool, k_scale, blocks, block_size, key0, L),
+                           pool_source(v_pool, v_scale, blocks, block_size, key0, L), k_pool.size(1), offset, scale,
+                           window, lead);
 }
 
 template <typename K>
@@ -567,20 +631,21 @@ at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k_pre, const 
 template <typename K>
 at::Tensor attention_shared_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& blocks_pre, int64_t S, at::TensorList blocks_own,
-                                  at::IntArrayRef own_keys, at::IntArrayRef rows, int64_t block_size, double scale) {
+                                  at::IntArrayRef own_keys, at::IntArrayRef rows, int64_t block_size, double scale,
+                                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
     const std::string name = std::string("localrun::attention_shared_paged_") + K::NAME;
     TORCH_CHECK(K::allowed(), name, K::REFUSAL);
-    check_pools(name.c_str(), q, k_pool, v_pool, K::STEP);
+    check_pools(name.c_str(), q, k_pool, v_pool, K::STEP, k_scale, v_scale, block_size);
     check_blocks(name.c_str(), k_pool, blocks_pre, block_size, 0, S);
     TORCH_CHECK(blocks_own.size() == own_keys.size(), name, ": the blocks and the number of own keys of each segment");
     std::vector<Source> ks, vs;
     for (size_t s = 0; s < blocks_own.size(); s++) {
         check_blocks(name.c_str(), k_pool, blocks_own[s], block_size, 0, own_keys[s]);
-        ks.push_back(pool_source(k_pool, blocks_own[s], block_size, 0, own_keys[s]));
-        vs.push_back(pool_source(v_pool, blocks_own[s], block_size, 0, own_keys[s]));
+        ks.push_back(pool_source(k_pool, k_scale, blocks_own[s], block_size, 0, own_keys[s]));
+        vs.push_back(pool_source(v_pool, v_scale, blocks_own[s], block_size, 0, own_keys[s]));
     }
-    return attend_shared<K>(name.c_str(), q, pool_source(k_pool, blocks_pre, block_size, 0, S),
-                            pool_source(v_pool, blocks_pre, block_size, 0, S), ks, vs, rows, k_pool.size(1), scale);
+    return attend_shared<K>(name.c_str(), q, pool_source(k_pool, k_scale, blocks_pre, block_size, 0, S),
+                            pool_source(v_pool, v_scale, blocks_pre, block_size, 0, S), ks, vs, rows, k_pool.size(1), scale);
 }
 
 struct BF16 {
@@ -698,9 +763,25 @@ struct PackF32 {
     KeysF32 keys;
 };
 
-// 8 values of a row from dim d, widened to float32 (exactly)
-F32_TARGET inline __m256 load8(const Source& src, const uint8_t* row, int64_t d) {
+// 8 values of a row from dim d as float32, as load16
+F32_TARGET inline __m256 fp8x8(const uint8_t* p) {          // float8 e4m3fn, exactly (as fp8x16)
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    const __m256i low7 = _mm256_set1_epi32(0x7f), em = _mm256_and_si256(x, low7);
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(7))), _mm256_set1_ps(0x1p-9f));
+    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x78)), _mm256_setzero_si256()));
+    __m256 v = _mm256_blendv_ps(normal, sub, is_sub);
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, low7)));
+    return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+}
+F32_TARGET inline __m256 load8(const Source& src, const uint8_t* row, const float* sc, int64_t d) {
     if (src.kind == 0) return _mm256_loadu_ps((const float*)row + d);
+    if (src.kind >= 3) {
+        const __m256 s = src.group == 1 ? _mm256_loadu_ps(sc + d) : _mm256_set1_ps(sc[d / src.group]);
+        const __m256 c = src.kind == 3 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + d))))
+                                       : fp8x8(row + d);
+        return _mm256_mul_ps(c, s);
+    }
     const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + d));
     if (src.kind == 1) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -728,10 +809,11 @@ F32_TARGET inline void transpose8_ps(const __m256* r, __m256* out) {
 // Keys key0 .. key0 + 7 of KV head g (zeros outside 0 .. L - 1) transposed: dst[d][8]
 F32_TARGET void pack_keys8(const Source& k, int64_t g, int64_t D, int64_t key0, float* dst) {
     const uint8_t* rows[8];
-    k.rows(g, key0, 8, rows);
+    const float* sc[8];
+    k.rows(g, key0, 8, rows, sc);
     __m256 r[8], out[8];
     for (int64_t d = 0; d < D; d += 8) {                // D is a multiple of 16
-        for (int j = 0; j < 8; j++) r[j] = rows[j] ? load8(k, rows[j], d) : _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) r[j] = rows[j] ? load8(k, rows[j], sc[j], d) : _mm256_setzero_ps();
         transpose8_ps(r, out);
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(dst + (d + c) * 8, out[c]);
     }
@@ -741,9 +823,10 @@ F32_TARGET void pack_keys8(const Source& k, int64_t g, int64_t D, int64_t key0, 
 // 16-bit source
 F32_TARGET void widen_rows(const Source& v, int64_t g, int64_t j0, int64_t D, float* dst) {
     const uint8_t* rows[16];
-    v.rows(g, j0, 16, rows);
+    const float* sc[16];
+    v.rows(g, j0, 16, rows, sc);
     for (int64_t j = j0; j < std::min(j0 + 16, v.L); j++)
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(v, rows[j - j0], d));
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(v, rows[j - j0], sc[j - j0], d));
 }
 
 // Keys packed for every head (key j at packed key lead + j); values read where they are (a
@@ -854,11 +937,13 @@ TORCH_LIBRARY_FRAGMENT(localrun, m) {
         m.def(("attention_" + k + "(Tensor q, Tensor k, Tensor v, int offset, float scale, int window=0, int lead=0) -> "
                "(Tensor, Tensor)").c_str());
         m.def(("attention_paged_" + k + "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor blocks, int block_size, int key0, "
-               "int L, int offset, float scale, int window=0, int lead=0) -> (Tensor, Tensor)").c_str());
+               "int L, int offset, float scale, int window=0, int lead=0, Tensor? k_scale=None, Tensor? v_scale=None) -> "
+               "(Tensor, Tensor)").c_str());
         m.def(("attention_shared_" + k + "(Tensor q, Tensor k_pre, Tensor v_pre, Tensor[] k_own, Tensor[] v_own, "
                "int[] rows, float scale) -> Tensor").c_str());
         m.def(("attention_shared_paged_" + k + "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor blocks_pre, int S, "
-               "Tensor[] blocks_own, int[] own_keys, int[] rows, int block_size, float scale) -> Tensor").c_str());
+               "Tensor[] blocks_own, int[] own_keys, int[] rows, int block_size, float scale, Tensor? k_scale=None, "
+               "Tensor? v_scale=None) -> Tensor").c_str());
     }
     m.def("has_attention_bf16() -> bool", [] { return localrun::bf16_allowed(); });
     m.def("has_attention_f32() -> bool", [] { return localrun::f32_allowed(); });
