@@ -423,11 +423,14 @@ PackBF16 pack_bf16(const Source& k, const Source& v, int64_t Hkv, int64_t D, int
     PackBF16 p{at::empty({Hkv, n16 * D / 2}, at::kInt), at::empty({Hkv, n16 * D / 2}, at::kInt), {}};
     auto* kpp = reinterpret_cast<uint32_t*>(p.kp.data_ptr<int32_t>());
     auto* vpp = reinterpret_cast<uint32_t*>(p.vp.data_ptr<int32_t>());
-    at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; b++) {
-            const int64_t g = b / B;
-            pack_block(k, v, g, D, b % B * 16, lead, kpp + g * n16 * D / 2, vpp + g * n16 * D / 2);
-        }
+    // 16 keys at a time, every KV head in turn: a pool block's positions are then read front to
+    // back (head by head in the outer loop, each block was visited once a head, a third of its lines
+    // each time). 4 rows over 2004 keys in 30 layers' pools (memory), one call 0.84-0.87 of the time
+    // (Zen 4, 2 threads, 2026-12-05).
+    at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t g = 0; g < Hkv; g++)
+                pack_block(k, v, g, D, b * 16, lead, kpp + g * n16 * D / 2, vpp + g * n16 * D / 2);
     });
     p.keys = {kpp, vpp, n16};
     return p;
@@ -835,9 +838,10 @@ PackF32 pack_f32(const Source& k, const Source& v, int64_t Hkv, int64_t D, int64
     const int64_t n16 = (lead + k.L + 15) / 16 * 16, B = n16 / 8;
     PackF32 p{at::empty({Hkv, n16 * D}, at::kFloat), at::Tensor(), {}};
     float* kpp = p.kp.data_ptr<float>();
-    at::parallel_for(0, Hkv * B, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; b++)                   // 8 keys of one head, transposed
-            pack_keys8(k, b / B, D, b % B * 8 - lead, kpp + b * D * 8);
+    at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {   // every head's 8 keys in turn (pack_bf16)
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t g = 0; g < Hkv; g++)               // 8 keys of one head, transposed
+                pack_keys8(k, g, D, b * 8 - lead, kpp + (g * B + b) * D * 8);
     });
     if (v.blocks == nullptr && v.kind == 0) {
         p.keys = {kpp, reinterpret_cast<const float*>(v.data), n16, k.L, lead, v.hs, v.rs};
@@ -846,8 +850,9 @@ PackF32 pack_f32(const Source& k, const Source& v, int64_t Hkv, int64_t D, int64
     p.v = at::empty({Hkv, v.L, D}, at::kFloat);
     float* vd = p.v.data_ptr<float>();
     const int64_t V16 = (v.L + 15) / 16;
-    at::parallel_for(0, Hkv * V16, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; b++) widen_rows(v, b / V16, b % V16 * 16, D, vd + b / V16 * v.L * D);
+    at::parallel_for(0, V16, 4, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t g = 0; g < Hkv; g++) widen_rows(v, g, b * 16, D, vd + g * v.L * D);
     });
     p.keys = {kpp, vd, n16, k.L, lead, v.L * D, D};
     return p;
