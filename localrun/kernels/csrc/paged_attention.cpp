@@ -364,12 +364,12 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 get8_i8(const int8_t* p, 
 }
 struct AsStored {
     template <typename R>
-    __attribute__((target("avx2,fma,f16c"))) __m256 operator()(const R* p, int64_t) const { return get8_fast(p); }
+    __attribute__((target("avx2,fma,f16c"))) __m256 operator()(const R* p, int64_t, int64_t = 0) const { return get8_fast(p); }
     void next() {}
 };
 struct KeysI8 {                    // ks: the block's hd scales, one per channel, every key alike
     const float* ks;
-    __attribute__((target("avx2,fma,f16c"))) __m256 operator()(const int8_t* p, int64_t ch) const {
+    __attribute__((target("avx2,fma,f16c"))) __m256 operator()(const int8_t* p, int64_t ch, int64_t = 0) const {
         return get8_i8(p, _mm256_loadu_ps(ks + ch));
     }
     void next() {}
@@ -447,12 +447,12 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void scores_fast(const float*
             const R* kk = k + half * 4 * stride;
             __m256 acc[G][4];
             for (int j = 0; j < 4; j++) {
-                const __m256 kv = read(kk + j * stride, 0);
+                const __m256 kv = read(kk + j * stride, 0, j0 + half * 4 + j);
                 for (int h = 0; h < G; h++) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(qs + h * hd), kv);
             }
             for (int64_t i = 1; i < nv; i++)
                 for (int j = 0; j < 4; j++) {
-                    const __m256 kv = read(kk + j * stride + 8 * i, 8 * i);
+                    const __m256 kv = read(kk + j * stride + 8 * i, 8 * i, j0 + half * 4 + j);
                     for (int h = 0; h < G; h++) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + 8 * i), kv, acc[h][j]);
                 }
             for (int h = 0; h < G; h++)
@@ -470,10 +470,10 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void scores_fast(const float*
             __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
             int64_t i = 0;
             for (; i + 2 <= nv; i += 2) {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), read(k + 8 * i, 8 * i), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i + 8), read(k + 8 * i + 8, 8 * i + 8), s1);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), read(k + 8 * i, 8 * i, j0), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i + 8), read(k + 8 * i + 8, 8 * i + 8, j0), s1);
             }
-            if (i < nv) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), read(k + 8 * i, 8 * i), s0);
+            if (i < nv) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), read(k + 8 * i, 8 * i, j0), s0);
             const float t = hsum8((v8)_mm256_add_ps(s0, s1));
             sc[h][j0] = t;
             mx[h] = std::max(mx[h], t);
@@ -556,7 +556,34 @@ WIDE_TARGET inline float max8_wide(__m256 v) {      // exact, as max8
 // of the float32 pool of its values here too).
 struct AsStored16 {
     template <typename R>
-    WIDE_TARGET __m512 operator()(const R* p, int64_t) const { return get16(p); }
+    WIDE_TARGET __m512 operator()(const R* p, int64_t, int64_t = 0) const { return get16(p); }
+    void next() {}
+};
+// float8 e4m3fn codes read in place (the wide loops only: in AVX2's 16 registers the decoding's
+// constants spilled, and a 16-row step over 256 positions took 1.3x the scratch path's time):
+// 16 codes widened exactly (widen_fp8_avx2's arithmetic) times their token's scale, the
+// scratch path's float32 products
+WIDE_TARGET inline __m512 get16_fp8(const uint8_t* p) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
+    __m512 v = _mm512_mask_blend_ps(_mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78)), normal, sub);
+    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), v, _mm512_set1_ps(NAN));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24)));
+}
+// fp8 keys: key j's scales at ks + j * ks_stride, one per `group` values (a multiple of 16);
+// gi[ch / 16]: channel ch's (no division per load)
+struct KeysFp8x16 {
+    const float* ks;
+    int64_t ks_stride;
+    int64_t gi[16];                // head sizes up to 256
+    KeysFp8x16(const float* ks_, int64_t ks_stride_, int64_t hd, int64_t group) : ks(ks_), ks_stride(ks_stride_) {
+        for (int64_t c = 0; c < hd / 16; c++) gi[c] = 16 * c / group;
+    }
+    WIDE_TARGET __m512 operator()(const uint8_t* p, int64_t ch, int64_t j) const {
+        return _mm512_mul_ps(get16_fp8(p), _mm512_set1_ps(ks[j * ks_stride + gi[ch / 16]]));
+    }
     void next() {}
 };
 WIDE_TARGET inline __m512 get16_i8(const int8_t* p, __m512 s) {
@@ -564,7 +591,7 @@ WIDE_TARGET inline __m512 get16_i8(const int8_t* p, __m512 s) {
 }
 struct KeysI8x16 {
     const float* ks;
-    WIDE_TARGET __m512 operator()(const int8_t* p, int64_t ch) const { return get16_i8(p, _mm512_loadu_ps(ks + ch)); }
+    WIDE_TARGET __m512 operator()(const int8_t* p, int64_t ch, int64_t = 0) const { return get16_i8(p, _mm512_loadu_ps(ks + ch)); }
     void next() {}
 };
 struct ValuesI8x16 {               // the token's scales, one per `group` values (a multiple of 16)
@@ -575,6 +602,9 @@ struct ValuesI8x16 {               // the token's scales, one per `group` values
         for (int c = 0; c < 4; c++) gi[c] = (ch0 + 16 * c) / group;
     }
     WIDE_TARGET __m512 operator()(const int8_t* p, int64_t ch) const { return get16_i8(p, _mm512_set1_ps(vs[gi[ch / 16]])); }
+    WIDE_TARGET __m512 operator()(const uint8_t* p, int64_t ch) const {        // fp8 V (the same scales' layout)
+        return _mm512_mul_ps(get16_fp8(p), _mm512_set1_ps(vs[gi[ch / 16]]));
+    }
     void next() { vs += vs_stride; }
 };
 
@@ -588,12 +618,12 @@ WIDE_TARGET __attribute__((noinline)) void scores_wide(const float* qs, const R*
     for (; j0 + 8 <= n; j0 += 8, k += 8 * stride) {
         __m512 acc[G][8];
         for (int j = 0; j < 8; j++) {
-            const __m512 kv = read(k + j * stride, 0);
+            const __m512 kv = read(k + j * stride, 0, j0 + j);
             for (int h = 0; h < G; h++) acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(qs + h * hd), kv);
         }
         for (int64_t c = 1; c < nc; c++)
             for (int j = 0; j < 8; j++) {
-                const __m512 kv = read(k + j * stride + 16 * c, 16 * c);
+                const __m512 kv = read(k + j * stride + 16 * c, 16 * c, j0 + j);
                 for (int h = 0; h < G; h++) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + h * hd + 16 * c), kv, acc[h][j]);
             }
         for (int h = 0; h < G; h++) {
@@ -607,8 +637,8 @@ WIDE_TARGET __attribute__((noinline)) void scores_wide(const float* qs, const R*
     for (; j0 < n; j0++, k += stride)                          // the block's last keys, one at a time
         for (int h = 0; h < G; h++) {
             const float* qh = qs + h * hd;
-            __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(qh), read(k, 0));
-            for (int64_t c = 1; c < nc; c++) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), read(k + 16 * c, 16 * c), s0);
+            __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(qh), read(k, 0, j0));
+            for (int64_t c = 1; c < nc; c++) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), read(k + 16 * c, 16 * c, j0), s0);
             const float t = hsum8((v8)fold16(s0));
             sc[h][j0] = t;
             mx[h] = std::max(mx[h], t);
@@ -639,6 +669,13 @@ WIDE_TARGET __attribute__((noinline)) void values_wide(const float* const* w, co
 // AVX-512 builds, its V groups a multiple of 8 values) rather than through the scratch.
 template <typename KF, typename VF, bool FAST>
 constexpr bool INT8_IN_PLACE = FAST && std::is_same_v<KF, ChannelScaledInt8> && std::is_same_v<VF, TokenScaled<Int8Code>>;
+// fp8 too in the wide loops (K and V per-token scales, their groups a multiple of 16 values): a
+// 16-row decode step over 256 positions in 30 layers' pools took 2x int8's time through the
+// scratch (widened, then scaled in a second pass).
+template <typename KF, typename VF, bool FAST>
+constexpr bool FP8_IN_PLACE = FAST && std::is_same_v<KF, TokenScaled<Fp8Code>> && std::is_same_v<VF, TokenScaled<Fp8Code>>;
+template <typename KF, typename VF, bool FAST>
+constexpr bool CODES_IN_PLACE = INT8_IN_PLACE<KF, VF, FAST> || FP8_IN_PLACE<KF, VF, FAST>;
 
 template <int G, int HD, bool FAST, bool WIDE, typename R>
 ALWAYS_INLINE void scores_block(const float* qs, const R* k, int64_t stride, int64_t hd, int64_t n, float* const* sc,
@@ -700,15 +737,18 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     // int8 in place: V's scale groups a multiple of 8 values (paged_kv: 32, or hd)
     // (the wide loops read 16 values at a time: groups of 16; else the scratch, the same bits)
     const bool wide = WIDE && hd % 16 == 0;
-    const bool in_place = INT8_IN_PLACE<KF, VF, FAST> && a.v.group % (wide ? 16 : 8) == 0;
+    const int64_t step = wide ? 16 : 8;
+    const bool in_place = (INT8_IN_PLACE<KF, VF, FAST> && a.v.group % step == 0) ||
+                          (FP8_IN_PLACE<KF, VF, FAST> && wide && a.v.group % 16 == 0 && a.k.group % 16 == 0);
     // scores[hh][p - first] = q_hh . k_p * scale, block by block through the table
     for (int64_t b = a.first / a.block_size, i = 0; i < KEYS_AHEAD; i++) prefetch_block<KF>(a, a.k, b + i, hd);
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
-        if constexpr (INT8_IN_PLACE<KF, VF, FAST>) {
+        if constexpr (CODES_IN_PLACE<KF, VF, FAST>) {
             if (in_place) {
-                const int8_t* kc = static_cast<const int8_t*>(a.k.data) + ((a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g) * hd;
-                const float* ks = a.k.scale + (a.table[b] * a.n_kv + a.g) * hd;     // the block's, every row
+                using Code = typename KF::E;                                         // int8_t, or fp8's uint8_t
+                const int64_t tok = (a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g;   // first row's token, head
+                const Code* kc = static_cast<const Code*>(a.k.data) + tok * hd;
                 int64_t part = 0;
                 head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
                     constexpr int G = decltype(heads)::value;
@@ -716,14 +756,22 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                     key_pieces<KF, VF>(a, b, hd, end - p, part, key_parts, [&](int64_t j, int64_t n) {
                         float* sc[G];
                         for (int h = 0; h < G; h++) sc[h] = a.scores + (h0 + h) * ls + (p + j - a.first);
-                        if constexpr (WIDE) {
-                            if (wide) {
-                                scores_wide<G, HD>(qs + h0 * hd, kc + at + j * stride, stride, hd, n, sc, mx + h0,
-                                                   KeysI8x16{ks + at});
-                                return;
+                        const Code* k = kc + at + j * stride;
+                        if constexpr (INT8_IN_PLACE<KF, VF, FAST>) {
+                            const float* ks = a.k.scale + (a.table[b] * a.n_kv + a.g) * hd + at;   // the block's, every row
+                            if constexpr (WIDE) {
+                                if (wide) {
+                                    scores_wide<G, HD>(qs + h0 * hd, k, stride, hd, n, sc, mx + h0, KeysI8x16{ks});
+                                    return;
+                                }
                             }
+                            scores_fast<G, HD>(qs + h0 * hd, k, stride, hd, n, sc, mx + h0, KeysI8{ks});
+                        } else if constexpr (WIDE) {   // fp8 (wide only): each key's scales, n_kv * groups floats apart
+                            const int64_t groups_k = hd / a.k.group;
+                            const float* ks = a.k.scale + (tok + j * a.n_kv) * groups_k + (a.per_kv ? g * groups_k : 0);
+                            scores_wide<G, HD>(qs + h0 * hd, k, stride, hd, n, sc, mx + h0,
+                                               KeysFp8x16(ks, a.n_kv * groups_k, hd, a.k.group));
                         }
-                        scores_fast<G, HD>(qs + h0 * hd, kc + at + j * stride, stride, hd, n, sc, mx + h0, KeysI8{ks + at});
                     });
                 });
                 p = end;
@@ -780,11 +828,12 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
     // out_hh = sum_p e_p v_p / sum: each value row read once per group of heads, 4 chunks of 8 at a time
     for (int64_t p = a.first; p < a.L;) {
         const int64_t b = p / a.block_size, end = std::min(a.L, (b + 1) * a.block_size);
-        if constexpr (INT8_IN_PLACE<KF, VF, FAST>) {
+        if constexpr (CODES_IN_PLACE<KF, VF, FAST>) {
             if (in_place) {
+                using Code = typename VF::E;
                 const int64_t tok = (a.table[b] * a.block_size + p % a.block_size) * a.n_kv + a.g;   // first row's token, head
                 const int64_t groups_per_head = hd / a.v.group;
-                const int8_t* vc = static_cast<const int8_t*>(a.v.data) + tok * hd;
+                const Code* vc = static_cast<const Code*>(a.v.data) + tok * hd;
                 const float* vs = a.v.scale + tok * groups_per_head;
                 int64_t part = 0;
                 head_groups(groups, per, [&](int64_t g, int64_t h0, auto heads) {
@@ -792,7 +841,7 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                     prefetch_block<VF>(a, a.v, b + 1, hd, part++, head_calls);
                     const float* w[G];
                     for (int h = 0; h < G; h++) w[h] = a.scores + (h0 + h) * ls + (p - a.first);
-                    const int8_t* v = vc + (a.per_kv ? g * hd : 0);
+                    const Code* v = vc + (a.per_kv ? g * hd : 0);
                     const float* s = vs + (a.per_kv ? g * groups_per_head : 0);
                     const int64_t stride = a.n_kv * hd, s_stride = a.n_kv * groups_per_head;
                     if constexpr (WIDE) {
@@ -803,9 +852,10 @@ ALWAYS_INLINE void attend_row(const RowArgs& a) {
                             return;
                         }
                     }
-                    value_chunks<G, 8>(hd, acc_all, h0, [&](auto C, int64_t c, float* const* acc) {
-                        values_fast<G, decltype(C)::value>(w, v + 8 * c, stride, end - p, acc, ValuesI8(s, s_stride, 8 * c, a.v.group));
-                    });
+                    if constexpr (INT8_IN_PLACE<KF, VF, FAST>)      // fp8 is read in place by the wide loops only
+                        value_chunks<G, 8>(hd, acc_all, h0, [&](auto C, int64_t c, float* const* acc) {
+                            values_fast<G, decltype(C)::value>(w, v + 8 * c, stride, end - p, acc, ValuesI8(s, s_stride, 8 * c, a.v.group));
+                        });
                 });
                 p = end;
                 continue;
