@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 #include <immintrin.h>
+#include "fp8.h"
 #include "vec8.h"
 
 namespace localrun {
@@ -214,19 +215,7 @@ float fp8_value(uint8_t c) { return static_cast<float>(c10::Float8_e4m3fn(c, c10
 
 __attribute__((target("avx2,fma"))) void widen_fp8_avx2(float* dst, const uint8_t* src, int64_t n) {
     int64_t i = 0;
-    const __m256i low7 = _mm256_set1_epi32(0x7f), exp_bits = _mm256_set1_epi32(0x78), mant = _mm256_set1_epi32(7);
-    for (; i + 8 <= n; i += 8) {
-        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-        const __m256i em = _mm256_and_si256(x, low7);
-        const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-        const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, mant)), _mm256_set1_ps(0x1p-9f));
-        const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, exp_bits), _mm256_setzero_si256()));
-        __m256 v = _mm256_blendv_ps(normal, sub, is_sub);
-        const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, low7));
-        v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), is_nan);
-        v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
-        _mm256_storeu_ps(dst + i, v);
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8x8(src + i));
     for (; i < n; i++) dst[i] = fp8_value(src[i]);
 }
 
@@ -559,19 +548,10 @@ struct AsStored16 {
     WIDE_TARGET __m512 operator()(const R* p, int64_t, int64_t = 0) const { return get16(p); }
     void next() {}
 };
-// float8 e4m3fn codes read in place (the wide loops only: in AVX2's 16 registers the decoding's
-// constants spilled, and a 16-row step over 256 positions took 1.3x the scratch path's time):
-// 16 codes widened exactly (widen_fp8_avx2's arithmetic) times their token's scale, the
-// scratch path's float32 products
-WIDE_TARGET inline __m512 get16_fp8(const uint8_t* p) {
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
-    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
-    __m512 v = _mm512_mask_blend_ps(_mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78)), normal, sub);
-    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), v, _mm512_set1_ps(NAN));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24)));
-}
+// float8 e4m3fn codes are read in place by the wide loops only (in AVX2's 16 registers the
+// decoding's constants spilled, and a 16-row step over 256 positions took 1.3x the scratch
+// path's time): 16 codes widened exactly (fp8.h's fp8x16) times their token's scale, the scratch
+// path's float32 products.
 // fp8 keys: key j's scales at ks + j * ks_stride, one per `group` values (a multiple of 16);
 // gi[ch / 16]: channel ch's (no division per load)
 struct KeysFp8x16 {
@@ -582,7 +562,7 @@ struct KeysFp8x16 {
         for (int64_t c = 0; c < hd / 16; c++) gi[c] = 16 * c / group;
     }
     WIDE_TARGET __m512 operator()(const uint8_t* p, int64_t ch, int64_t j) const {
-        return _mm512_mul_ps(get16_fp8(p), _mm512_set1_ps(ks[j * ks_stride + gi[ch / 16]]));
+        return _mm512_mul_ps(fp8x16(p), _mm512_set1_ps(ks[j * ks_stride + gi[ch / 16]]));
     }
     void next() {}
 };
@@ -603,7 +583,7 @@ struct ValuesI8x16 {               // the token's scales, one per `group` values
     }
     WIDE_TARGET __m512 operator()(const int8_t* p, int64_t ch) const { return get16_i8(p, _mm512_set1_ps(vs[gi[ch / 16]])); }
     WIDE_TARGET __m512 operator()(const uint8_t* p, int64_t ch) const {        // fp8 V (the same scales' layout)
-        return _mm512_mul_ps(get16_fp8(p), _mm512_set1_ps(vs[gi[ch / 16]]));
+        return _mm512_mul_ps(fp8x16(p), _mm512_set1_ps(vs[gi[ch / 16]]));
     }
     void next() { vs += vs_stride; }
 };

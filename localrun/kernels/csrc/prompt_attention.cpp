@@ -40,6 +40,7 @@
 #include <limits>
 #include <string>
 #include <vector>
+#include "fp8.h"
 
 namespace localrun {
 namespace {
@@ -148,16 +149,7 @@ struct Source {
 };
 
 // 16 values of a row from dim d as float32: 16-bit values widened exactly, codes times their
-// scales (sc: the row's, Source::rows)
-BF16_TARGET inline __m512 fp8x16(const uint8_t* p) {       // float8 e4m3fn, exactly (paged_attention.cpp's fp8_value)
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
-    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
-    __m512 v = _mm512_mask_blend_ps(_mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78)), normal, sub);
-    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), v, _mm512_set1_ps(NAN));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24)));
-}
+// scales (sc: the row's, Source::rows; fp8 widened by fp8.h)
 BF16_TARGET inline __m512 load16(const Source& src, const uint8_t* row, const float* sc, int64_t d) {
     if (src.kind == 0) return _mm512_loadu_ps((const float*)row + d);
     if (src.kind >= 3) {
@@ -767,16 +759,6 @@ struct PackF32 {
 };
 
 // 8 values of a row from dim d as float32, as load16
-F32_TARGET inline __m256 fp8x8(const uint8_t* p) {          // float8 e4m3fn, exactly (as fp8x16)
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-    const __m256i low7 = _mm256_set1_epi32(0x7f), em = _mm256_and_si256(x, low7);
-    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(7))), _mm256_set1_ps(0x1p-9f));
-    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x78)), _mm256_setzero_si256()));
-    __m256 v = _mm256_blendv_ps(normal, sub, is_sub);
-    v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, low7)));
-    return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
-}
 F32_TARGET inline __m256 load8(const Source& src, const uint8_t* row, const float* sc, int64_t d) {
     if (src.kind == 0) return _mm256_loadu_ps((const float*)row + d);
     if (src.kind >= 3) {
