@@ -273,3 +273,36 @@ def test_the_model_attends_prompts_through_the_kernel_with_int8_prompt_math_only
     assert not calls
     f = fidelity(exact.astype(np.float64), fast, margin=0.2)
     assert f.top1_confident == 1.0 and f.mean_kl < 2e-3, f
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kv_type", ["f32", "bf16", "f16", "int8", "fp8"])
+@pytest.mark.parametrize("block_size,n_kv,D", [(1, 1, 64), (4, 3, 128), (32, 2, 80)])
+def test_the_kernels_read_every_store_layout_in_place(kind, kv_type, block_size, n_kv, D):
+    """The engine's own stores (paged_kv.PagedKVCache: every KV type, block sizes 1 to 32, one to
+    three KV heads, head sizes 64 / 128 / 80, the last with one scale per head) written with a
+    sequence's keys through a shuffled table, then read in place by the paged op: the bits of the
+    kernel over what the stores' own gather returns (dequantized codes included)."""
+    from localrun.engine import paged_kv
+    from localrun.engine.paged_kv import PagedKVCache, WriteTarget
+    if D % (64 if kind == "bf16" else 16):
+        pytest.skip("the bf16 kernel takes head sizes that are multiples of 64")
+    if kv_type == "fp8" and paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    g = torch.Generator().manual_seed(block_size * 100 + n_kv * 10 + D)
+    L, T = 150, 9
+    n_blocks = (L + block_size - 1) // block_size
+    cache = PagedKVCache(num_blocks=n_blocks + 5, block_size=block_size, n_layers=1, n_head_kv=n_kv, head_dim=D,
+                         kv_type=kv_type, compute_dtype=torch.float32)
+    table = torch.randperm(n_blocks + 5, generator=g)[:n_blocks]
+    p = torch.arange(L)
+    k, v = torch.randn(L, n_kv, D, generator=g) * 3, torch.randn(L, n_kv, D, generator=g)
+    cache.write(0, WriteTarget(table[p // block_size] * block_size + p % block_size, table, 0), k, v)
+    k_all, v_all = cache.gather(0, table, L)                     # (n_kv, L, D), float32
+    keys = cache.pool_keys(0, table, 0, L)
+    q = torch.randn(T, 3 * n_kv, D, generator=g)
+    for key0, window in ((0, 0), (37, 50)):
+        n, offset = L - key0, L - T - key0
+        got = kernels.attention_paged(kind, q, keys, key0, n, offset, 0.125, window, key0 % 64)
+        want = attention(kind)(q, k_all[:, key0:], v_all[:, key0:], offset, 0.125, window, key0 % 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), key0
