@@ -213,7 +213,7 @@ struct ChannelScaledInt8 {         // int8 with one scale per block per channel:
 // NaN (never written: the stores scale values to at most 448).
 float fp8_value(uint8_t c) { return static_cast<float>(c10::Float8_e4m3fn(c, c10::Float8_e4m3fn::from_bits())); }
 
-__attribute__((target("avx2,fma"))) void widen_fp8_avx2(float* dst, const uint8_t* src, int64_t n) {
+__attribute__((target("avx2,fma,f16c"))) void widen_fp8_avx2(float* dst, const uint8_t* src, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8x8(src + i));
     for (; i < n; i++) dst[i] = fp8_value(src[i]);
