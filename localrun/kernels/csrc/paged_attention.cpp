@@ -548,9 +548,9 @@ struct AsStored16 {
     WIDE_TARGET __m512 operator()(const R* p, int64_t, int64_t = 0) const { return get16(p); }
     void next() {}
 };
-// float8 e4m3fn codes are read in place by the wide loops only (in AVX2's 16 registers the
-// decoding's constants spilled, and a 16-row step over 256 positions took 1.3x the scratch
-// path's time): 16 codes widened exactly (fp8.h's fp8x16) times their token's scale, the scratch
+// float8 e4m3fn codes are read in place by the wide loops only (in AVX2's 16 registers a 16-row
+// step over 256 positions took 1.3x the scratch path's time with the first decoder, and the same
+// time with fp8.h's): 16 codes widened exactly (fp8x16) times their token's scale, the scratch
 // path's float32 products.
 // fp8 keys: key j's scales at ks + j * ks_stride, one per `group` values (a multiple of 16);
 // gi[ch / 16]: channel ch's (no division per load)
