@@ -108,7 +108,8 @@ def test_rows_are_bit_identical_in_any_batch(layout):
     tile first, and on AVX-512 calls of 16 rows or more multiply two tiles (16 lanes) per register,
     partial second tiles at 11, 13 and 9 rows; one row of the K-quants reads the weight rows
     straight through, Q6_K's 16 at a time, 29 = 16 + 13 of them, and so do AVX-512's calls of 2 to
-    4 rows: all are compared here)."""
+    4 rows, while its calls of 5 to 8 decode a super-block of 8 weight rows and use it at once:
+    all are compared here)."""
     rng = np.random.default_rng(4)
     types = [QT.Q4_K, QT.Q6_K, QT.Q5_1, QT.Q4_1, QT.Q8_0, QT.Q5_K, QT.Q5_0, QT.Q4_0]
     parts = [random_blocks(QT.Q4_K, 40, 512, seed=5), random_blocks(QT.Q6_K, 29, 512, seed=6),
@@ -120,7 +121,9 @@ def test_rows_are_bit_identical_in_any_batch(layout):
     full = kernels.qmatmul(x, weights, qtypes)
     for m in range(33):
         assert torch.equal(kernels.qmatmul(x[m:m + 1], weights, qtypes)[0], full[m])
-    sizes = [2, 3, 4, *rng.integers(5, 33, size=7)]     # 2-4 rows: the K-quants' rows read straight through
+    # 2-4 rows: the K-quants' rows read straight through; 5-8: their super-blocks decoded 8 weight
+    # rows at a time and used at once (AVX-512); 9 on: tiles
+    sizes = [2, 3, 4, 5, 8, 9, *rng.integers(5, 33, size=7)]
     for size in sizes:
         pick = torch.from_numpy(rng.permutation(33)[:size])
         assert torch.equal(kernels.qmatmul(x[pick], weights, qtypes), full[pick])
