@@ -1601,25 +1601,7 @@ static void q6k_row_read16(const uint8_t* w, int64_t row_bytes, int64_t n0, int 
 template <int QT>
 static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
                       float* y, int64_t ldy) {
-#ifdef LOCALRUN_VNNI
-    // AVX-512: the K-quants' calls of 9 or more rows build tiles (below) rather than decoding
-    // each super-block of 16 rows and using it at once (direct_rows16), which ran slower and
-    // erratically at 13-16 rows (cause not traced; the 32-value types' direct paths are the
-    // faster ones): one thread, a 2048 x 2048 Q4_K weight, us per row at 2 .. 16 rows, direct
-    // 95 64 57 51 49 45 44 46 39 39 38 41 64 54 61, tiles 91 67 56 51 46 44 42 43 40 38 37 36 35
-    // 35 34; Q6_K 6-16 rows 5-15% faster (2026-12-05, Zen 4). That weight sat in L3; with a
-    // model's weights streaming from memory (six 5632 x 2048 weights in turn, one process
-    // alternating the two), 5-8 rows take the direct path (direct_rows, 8 weight rows at a time)
-    // in 0.75-0.86 of the tiles' time on one thread and 0.85-0.92 on two (Q4_K; Q5_K 0.85-0.88,
-    // Q6_K 0.87-0.94 on two), while from 9 rows on the tiles stay ahead (Q6_K 1.02-1.24, Q5_K
-    // 0.98-1.19, Q4_K 0.92-1.09). One row reads the rows straight through (direct_row_read, in
-    // both builds), and so do 2-4 rows (direct_rows_read, AVX-512). On AVX2 the two measured the
-    // same.
-    const bool kq_tiles = UNIT_GROUPS<QT> == 8 && M > DIRECT_MAX_ROWS;
-#else
-    const bool kq_tiles = false;
-#endif
-    if (M <= DIRECT_MAX_ROWS && !kq_tiles) {
+    if (M <= DIRECT_MAX_ROWS) {
         int64_t nt = n0;
 #ifdef LOCALRUN_VNNI
         if (M == 1 && QT == Q6_K)      // 16 rows at a time (q6k_row_read16), the last 8 or fewer below
@@ -1637,7 +1619,20 @@ static void lanes_all(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n
     thread_local Tile8 tile;
     int64_t nt = n0;
 #ifdef LOCALRUN_VNNI
-    if (M <= DIRECT16_MAX_ROWS && !kq_tiles) {   // 16 weight rows decoded and used at once (direct_rows16)
+    // AVX-512: the K-quants' calls of 9 or more rows build tiles (below) rather than decoding
+    // each super-block of 16 rows and using it at once (direct_rows16), which ran slower and
+    // erratically at 13-16 rows (cause not traced; the 32-value types' direct paths are the
+    // faster ones): one thread, a 2048 x 2048 Q4_K weight, us per row at 2 .. 16 rows, direct
+    // 95 64 57 51 49 45 44 46 39 39 38 41 64 54 61, tiles 91 67 56 51 46 44 42 43 40 38 37 36 35
+    // 35 34; Q6_K 6-16 rows 5-15% faster (2026-12-05, Zen 4). That weight sat in L3; with a
+    // model's weights streaming from memory (six 5632 x 2048 weights in turn, one process
+    // alternating the two), 5-8 rows take the direct path (direct_rows, 8 weight rows at a time)
+    // in 0.75-0.86 of the tiles' time on one thread and 0.85-0.92 on two (Q4_K; Q5_K 0.85-0.88,
+    // Q6_K 0.87-0.94 on two), while from 9 rows on the tiles stay ahead (Q6_K 1.02-1.24, Q5_K
+    // 0.98-1.19, Q4_K 0.92-1.09). One row reads the rows straight through (direct_row_read, in
+    // both builds), and so do 2-4 rows (direct_rows_read, AVX-512). On AVX2 the two measured the
+    // same.
+    if (M <= DIRECT16_MAX_ROWS && UNIT_GROUPS<QT> != 8) {   // 16 weight rows decoded and used at once (direct_rows16)
         for (; nt + 8 < n1; nt += 16) {
             const int rows_b = (int)std::min<int64_t>(8, n1 - nt - 8);
             direct_rows16_of<QT>((int)M, w, row_bytes, nt, rows_b, qx, y, ldy,
