@@ -349,6 +349,19 @@ def test_paged_attention_equals_float64_reference(hd, n_kv, group):
     check_paged_against_float64(rng, hd, n_kv, group, lengths, tables, (0, 20), 2e-6, alone=(0, 3, 5))
 
 
+def test_paged_attention_of_no_rows_is_empty():
+    """A call with no rows (every other op takes them) returns (0, H, hd) and leaves the pools as
+    they were: it used to die of a division by zero (SIGFPE) in the thread pool's grain."""
+    g = torch.Generator().manual_seed(5)
+    k_pool, v_pool = torch.randn(4 * BLOCK, 3, 64, generator=g), torch.randn(4 * BLOCK, 3, 64, generator=g)
+    before = (k_pool.clone(), v_pool.clone())
+    none = torch.zeros(0, dtype=torch.long)
+    out = torch.ops.localrun.paged_attention(torch.randn(0, 9, 64), torch.randn(0, 3, 64), torch.randn(0, 3, 64), k_pool,
+                                             v_pool, none, torch.zeros(1, 4, dtype=torch.long), none, none, BLOCK, 0)
+    assert out.shape == (0, 9, 64) and out.dtype == torch.float32
+    assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
+
+
 @pytest.mark.parametrize("kv_type", ["int8", "fp8"])
 @pytest.mark.parametrize("hd", [64, 40])
 def test_paged_attention_quantized_pool_writes_as_the_stores_and_reads_their_values(kv_type, hd):

@@ -1113,6 +1113,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                          k_scale.size(0) == num_slots / block_size && k_scale.size(1) == n_kv && k_scale.size(2) == hd,
                          "localrun::paged_attention: int8 K scales (blocks, n_kv, hd)");
     }
+    if (T == 0) return at::empty({0, H, hd}, q.options());    // no rows: no tasks (a grain of 0 would divide by zero)
     const int64_t *sp = slots.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>();
     const int64_t *seqp = row_seq.data_ptr<int64_t>(), *lenp = row_len.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; t++) {
