@@ -168,6 +168,8 @@ class LLM:
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position: float32 (len(ids), n_vocab)."""
         ids = self.frontend.check_ids(ids)
+        if not ids:
+            raise UserError("logits of no tokens: give at least one token id")
         if len(ids) > self.n_ctx:
             raise UserError(f"{len(ids)} tokens do not fit the context of {self.n_ctx}")
         self.reset()

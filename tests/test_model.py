@@ -28,6 +28,16 @@ def test_logits_match_naive_reference(tiny_gguf, tensor_type):
     assert cmp.top1_agreement == 1.0, cmp
 
 
+def test_logits_of_bad_ids_are_one_clear_error(tiny_gguf):
+    """No ids, or an id outside the vocabulary: a UserError naming the fault (no torch error)."""
+    from localrun.errors import UserError
+    llm = LLM(tiny_gguf("Q8_0"), dtype="float32", n_threads=1)
+    with pytest.raises(UserError, match="^logits of no tokens"):
+        llm.logits([])
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        llm.logits([5, llm.n_vocab])
+
+
 def test_bf16_compute_stays_close(tiny_gguf):
     path = tiny_gguf("Q8_0")
     got = LLM(path, dtype="bfloat16", n_threads=1).logits(IDS).numpy()
