@@ -151,6 +151,9 @@ def test_directory_is_not_a_model(tmp_path):
     (["generate", "{missing}", "-p", "hi", "-ngl", "many"], "--gpu-layers takes 'auto' or a number, not 'many'."),
     (["serve", "{missing}", "--prompt-math", "int4"], "--prompt-math takes int8 or float32, not 'int4'."),
     (["plan", "llama2-7b", "--n-cpu-moe", "-3"], "--n-cpu-moe takes 'auto' or a number from 0 up, not -3."),
+    (["plan", "llama2-7b", "--ctx", "-5"], "--ctx must be an integer >= 1, got -5."),
+    (["plan", "llama2-7b", "--parallel", "0"], "--parallel must be an integer >= 1, got 0."),
+    (["plan", "llama2-7b", "--batch", "0"], "--batch must be an integer >= 1, got 0."),
     (["serve", "{missing}", "--kv-budget", "lots"], "--kv-budget is 'lots', which is not a size; write it like "
                                                     "24GiB, 16G or 512MiB."),
     (["serve", "{missing}", "-np", "64", "-b", "16"], "--max-batched-tokens (16) must be at least the number of "

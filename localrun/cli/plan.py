@@ -92,6 +92,9 @@ def plan(
         raise UserError(f"--emit takes {' or '.join(EMIT_TARGETS)}, not '{emit}'")
     if prefer is not None and prefer not in PREFERENCES:
         raise UserError(f"--prefer takes {', '.join(PREFERENCES)}, not '{prefer}'")
+    for flag, value in (("--ctx", ctx), ("--parallel", parallel), ("--batch", batch), ("--prompt-tokens", prompt_tokens)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be an integer >= 1, got {value}.")
     n_gpu_layers = parse_layer_count(gpu_layers)
     n_cpu_moe = parse_layer_count(cpu_moe, "n_cpu_moe")
     profile = load_profile(model)
