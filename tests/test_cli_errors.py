@@ -160,6 +160,9 @@ def test_directory_is_not_a_model(tmp_path):
                                                       "sequences batched together (64), so every decode fits a step."),
     (["serve", "{missing}", "--schedule", "lifo"], "--schedule takes fcfs or cache_aware (the admission order), "
                                                    "not 'lifo'."),
+    (["chat", "{missing}", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),     # before the load, not per turn
+    (["chat", "{missing}", "--temperature", "-1"], "--temperature must be in [0, 2], got -1.0"),
+    (["chat", "{missing}", "--repeat-penalty", "0"], "--repeat-penalty must be in [0.01, 10], got 0.0"),
     (["chat", "{missing}", "--draft-model", "self:two"], "--draft-model takes a self-draft as self:N with N a "
                                                          "number of layers, not 'self:two'."),
     # found only once the model loads

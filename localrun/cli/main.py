@@ -23,6 +23,7 @@ from localrun.cli.bench import bench
 from localrun.cli.serve import serve
 from localrun.cli.top import top
 from localrun.errors import UserError
+from localrun.sampling_params import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Run GGUF language models locally: chat, generate, serve, plan.")
@@ -53,6 +54,11 @@ def _stats_line(t: dict) -> str:
 def chat(model: Optional[str] = ModelArg,
          system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt."),
          temperature: float = typer.Option(0.7, "--temperature", "--temp"),
+         top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0: all)."),
+         top_p: float = typer.Option(0.95, "--top-p", help="Keep the most likely tokens up to this mass (1: all)."),
+         min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens under this share of the top one's probability."),
+         repeat_penalty: float = typer.Option(1.0, "--repeat-penalty",
+                                              help="Penalize the last 64 tokens' repeats (1: off; 1.1 is common)."),
          max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
          seed: Optional[int] = typer.Option(None, "--seed"),
          ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
@@ -63,6 +69,9 @@ def chat(model: Optional[str] = ModelArg,
          draft_max: int = DraftMaxOpt, gpu_layers: str = GpuLayersOpt, prompt_math: str = PromptMathOpt):
     """Interactive chat with history. Commands: /reset, /stats, /exit. Ctrl-C stops a reply.
     A full context drops the oldest turns (never the system prompt), with a notice."""
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed)
+    SamplingParams(**sampling)      # a bad value is one sentence now, not after the load and at every turn
     config = engine_config(ctx=ctx, threads=threads, kv_type=kv_type, gpu_layers=gpu_layers, draft_model=draft_model,
                            spec=spec, draft_max=draft_max, cache_dir=cache_dir, no_disk_cache=no_disk_cache,
                            cache_disk=cache_disk, cache_ram=cache_ram, prompt_math=prompt_math, n_parallel=1)
@@ -112,8 +121,7 @@ def chat(model: Optional[str] = ModelArg,
                       f"{' (the system prompt stays)' if base else ''}[/yellow]")
         reply = []
         try:
-            for piece in llm.chat(history, stream=True, temperature=temperature,
-                                  max_tokens=max_tokens, seed=seed):
+            for piece in llm.chat(history, stream=True, **sampling):
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -122,7 +130,7 @@ def chat(model: Optional[str] = ModelArg,
             sys.stdout.write("\n")
             err.print("[dim](stopped)[/dim]")
             last = None
-        except UserError as e:        # e.g. the conversation outgrew the context, or a bad --temperature
+        except UserError as e:        # e.g. the conversation outgrew the context
             history.pop()
             err.print(f"[red]{in_flag_words(e)}[/red]")
             continue
