@@ -2,8 +2,8 @@
 the same rows, the same bits, for decode rows of several sequences read through shuffled
 block tables, on quantized weights (the only weights it runs on), for every family's block
 shape (qwen2's biases, qwen3's head norms, gemma3's post-norms, GELU and sliding window), over
-float32 and float16 KV pools; and the Transformer's loop over the blocks' fused steps (a decode
-step's path) against both."""
+float32 and float16 KV pools; and the Transformer's one call for all blocks' fused steps (a
+decode step's path, localrun::decode_layers) and its loop over them against both."""
 from __future__ import annotations
 
 import random
@@ -43,7 +43,9 @@ def test_fused_decode_block_equals_python_block(tmp_path, architecture, tensor_t
               torch.randn(num_blocks * bs, c.n_head_kv, c.head_dim, generator=g).to(pool_dtype)) for _ in range(c.n_layers)]
     tables = torch.tensor([random.Random(s).sample(range(num_blocks), 5) for s in range(3)])
     tokens, lengths = [5, 17, 3], [1, 9, 20]
-    assert model.steps() is not None              # a decode step calls the blocks' fused steps in one loop
+    assert model.steps() is not None and model.fused_stack is not None   # a decode step: one call for all blocks
+    stacked, stacked_pools = decode_logits(model, tokens, lengths, pools, bs, tables)
+    model.fused_stack = None                      # the blocks' fused steps in one loop
     looped, looped_pools = decode_logits(model, tokens, lengths, pools, bs, tables)
     model.fused_steps = None                      # each block's forward, its fused branch
     fused, fused_pools = decode_logits(model, tokens, lengths, pools, bs, tables)
@@ -53,6 +55,6 @@ def test_fused_decode_block_equals_python_block(tmp_path, architecture, tensor_t
         python, python_pools = decode_logits(model, tokens, lengths, pools, bs, tables)
     finally:
         del model
-    assert torch.equal(looped, python) and torch.equal(fused, python)
-    for got in (looped_pools, fused_pools):
+    assert torch.equal(stacked, python) and torch.equal(looped, python) and torch.equal(fused, python)
+    for got in (stacked_pools, looped_pools, fused_pools):
         assert all(torch.equal(a, b) for (k1, v1), (k2, v2) in zip(got, python_pools) for a, b in ((k1, k2), (v1, v2)))

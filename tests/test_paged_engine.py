@@ -240,13 +240,14 @@ def test_quantized_kv_through_the_paged_kernel_equals_the_gather_path(tiny_gguf,
     model = LLM(tiny_gguf("Q8_0"), dtype="float32", quantized=True, n_threads=1, prompt_math="float32").model
     kernel_engine = make_engine(model, 0, max_num_seqs=5, max_num_batched_tokens=16, kv_type=kv_type)
     assert kernel_engine.kv_cache.supports_paged_attention and kernel_engine.kv_cache.quantized
-    calls = {"paged_attention": [], "decode_block": []}
+    calls = {"paged_attention": [], "decode_layers": []}
 
     def counting(name):
         real = getattr(torch.ops.localrun, name)
 
         def call(*args, **kwargs):
-            calls[name].append(args[-1] is not None)            # v_scale
+            v_scales = args[-1] if name == "paged_attention" else (args[-1] or None)   # a layer's, or every layer's
+            calls[name].append(v_scales is not None)
             return real(*args, **kwargs)
         return call
 

@@ -189,9 +189,9 @@ def test_quantized_kv_of_a_windowed_model_through_the_paged_kernel(tmp_path, kv_
         return [s.generated_token_ids for s in seqs]
 
     calls = []
-    real = torch.ops.localrun.decode_block
-    monkeypatch.setattr(torch.ops.localrun, "decode_block",
-                        lambda *a, **k: calls.append(a[-1] is not None) or real(*a, **k))
+    real = torch.ops.localrun.decode_layers           # every block of a decode step in one call, with every layer's scales
+    monkeypatch.setattr(torch.ops.localrun, "decode_layers",
+                        lambda *a, **k: calls.append(len(a[-1]) == len(model.layers)) or real(*a, **k))
     with_kernel = generate(True)
     assert calls and all(calls)
     assert with_kernel == generate(False)

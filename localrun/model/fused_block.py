@@ -54,3 +54,39 @@ class FusedDecode:
         return torch.ops.localrun.decode_block(x, *self.args, freqs, k_pool, v_pool, slots, tables,
                                                paged.row_seq, paged.row_len, paged.block_size, self.window,
                                                self.n_head, self.n_kv, self.neox, *self.options, *scales)
+
+
+class FusedStack:
+    """Every block's FusedDecode in one compiled call per decode step (localrun::decode_layers,
+    csrc/decode_block.cpp): each block's own arguments are bound once to a DecodeLayers object,
+    and a step passes only what changes (the activations, RoPE tables, pools, slots and block
+    tables). The same decode_block calls in the same order as the loop over FusedDecode, so the
+    same bits (tests/test_fused_block.py); it saves converting 33 arguments a block in each call
+    from Python, ~0.25 ms of SmolLM2's ~6 ms one-sequence step."""
+
+    def __init__(self, steps):
+        self.layers = [step.layer for step, _ in steps]
+        self.bound = torch.classes.localrun.DecodeLayers()
+        for step, table in steps:
+            self.bound.add(*step.args, step.window, step.n_head, step.n_kv, step.neox, *step.options, table)
+
+    @staticmethod
+    def build(steps) -> "FusedStack | None":
+        """The one call for these (FusedDecode, RoPE table) steps, or None where the loaded kernels
+        have no decode_layers (a library built from older sources: benchmarks/kernel_ab.py)."""
+        try:
+            torch.ops.localrun.decode_layers
+            torch.classes.localrun.DecodeLayers
+        except (AttributeError, RuntimeError):
+            return None
+        return FusedStack(steps)
+
+    def __call__(self, x: torch.Tensor, freqs: torch.Tensor, paged) -> torch.Tensor:
+        pools = [paged.pools(layer) for layer in self.layers]
+        scales = [paged.scales(layer) for layer in self.layers] if paged.scales is not None else []
+        return torch.ops.localrun.decode_layers(self.bound, x, list(freqs.unbind(0)), [k for k, _ in pools],
+                                                [v for _, v in pools], paged.slots, paged.block_tables,
+                                                paged.local_slots, paged.local_block_tables, paged.row_seq,
+                                                paged.row_len, paged.block_size, [k for k, _ in scales],
+                                                [v for _, v in scales])
+

@@ -23,7 +23,7 @@ from torch import nn
 
 from localrun import kernels
 from localrun.config import ModelConfig
-from localrun.model.fused_block import FusedDecode
+from localrun.model.fused_block import FusedDecode, FusedStack
 from localrun.model.gguf_weight import WeightMath
 from localrun.model.quant import FileTensor, Int8Weight, PlainWeight, int8_backend, make_embedding, make_weight
 from localrun.placement import DeviceMap, all_on
@@ -522,17 +522,21 @@ class Transformer(nn.Module):
         self.embedding_scale = config.n_embd ** 0.5 if config.arch.embedding_scale else None
         self.weight_format = "quantized" if quantized else "dequantized"
         self.fused_steps, self.steps_of = None, None   # steps(), and the layers they were found for
+        self.fused_stack = None                         # steps() as one call (FusedStack), where the kernels have it
 
     def steps(self):
         """Every block's decode step as one compiled call (FusedDecode) with its RoPE table, when
         every block has one and all run in the embedding's device group, else None: a decode step
         then calls them in a plain loop, with no module call and no Block.forward per layer (2% of
         SmolLM2's one-sequence step). Found again when `layers` is replaced (self_draft); setting
-        `fused_steps` to None runs the blocks one by one."""
+        `fused_steps` to None runs the blocks one by one. The steps are also bound into one call
+        for all of them (`fused_stack`, FusedStack), which a decode step makes instead of the loop;
+        setting it to None runs the loop."""
         if self.steps_of is not self.layers:
             steps = [(layer.fused_decode, 1 if layer.is_local else 0) for layer in self.layers]
             usable = all(f is not None and layer.group == self.embedding_group for (f, _), layer in zip(steps, self.layers))
             self.fused_steps, self.steps_of = (steps if usable else None), self.layers
+            self.fused_stack = FusedStack.build(steps) if usable else None
         return self.fused_steps
 
     def _head(self, build: WeightBuilder, dm: DeviceMap):
@@ -565,8 +569,12 @@ class Transformer(nn.Module):
         group = self.embedding_group
         steps = self.steps()
         if steps is not None and steps[0][0].applies(x, segments, decode_rows, paged):
-            for step, table in steps:                                        # Block.forward's fused branch
-                x = step(x, freqs[table], paged)
+            if self.fused_stack is not None and not torch.compiler.is_compiling():   # all in one call (eager only:
+                # its bound blocks are a torchbind object, which torch.compile's tracer cannot take; it traces the loop)
+                x = self.fused_stack(x, freqs, paged)
+            else:
+                for step, table in steps:                                    # Block.forward's fused branch
+                    x = step(x, freqs[table], paged)
         else:
             for layer in self.layers:
                 if layer.group != group:
