@@ -89,4 +89,3 @@ class FusedStack:
                                                 paged.local_slots, paged.local_block_tables, paged.row_seq,
                                                 paged.row_len, paged.block_size, [k for k, _ in scales],
                                                 [v for _, v in scales])
-
