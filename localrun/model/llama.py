@@ -569,8 +569,8 @@ class Transformer(nn.Module):
         group = self.embedding_group
         steps = self.steps()
         if steps is not None and steps[0][0].applies(x, segments, decode_rows, paged):
-            if self.fused_stack is not None and not torch.compiler.is_compiling():   # all in one call (eager only:
-                # its bound blocks are a torchbind object, which torch.compile's tracer cannot take; it traces the loop)
+            # all in one call; eager only (torch.compile cannot trace its torchbind object: it traces the loop)
+            if self.fused_stack is not None and not torch.compiler.is_compiling():
                 x = self.fused_stack(x, freqs, paged)
             else:
                 for step, table in steps:                                    # Block.forward's fused branch

@@ -147,7 +147,6 @@ struct DecodeLayers : torch::CustomClassHolder {
                                std::move(qkv_bias), std::move(q_norm), std::move(k_norm), std::move(post_attn_norm),
                                std::move(post_ffw_norm)});
     }
-    int64_t size() const { return (int64_t)layers.size(); }
 };
 
 namespace {
@@ -190,8 +189,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& self, const at:
 TORCH_LIBRARY_FRAGMENT(localrun, m) {
     m.class_<localrun::DecodeLayers>("DecodeLayers")
         .def(torch::init<>())
-        .def("add", &localrun::DecodeLayers::add)
-        .def("size", &localrun::DecodeLayers::size);
+        .def("add", &localrun::DecodeLayers::add);
     m.def("decode_layers(__torch__.torch.classes.localrun.DecodeLayers layers, Tensor x, Tensor[] freqs, "
           "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor block_tables, Tensor? local_slots, "
           "Tensor? local_block_tables, Tensor row_seq, Tensor row_len, int block_size, Tensor(c!)[] k_scales, "

@@ -1870,6 +1870,24 @@ bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int
 }
 
 // Quantize rows [m0, m1) of x (M, K) to the activation format: round half to even, as the reference.
+
+// What a group's code sums a0 (values 0..15) and a1 (16..31) and scale give the kernels, stored
+// for group b of row m: s, d, the row layout's dxv/sxv lanes and the lane layout's sxh/sxg.
+static inline void store_group(int64_t m, int64_t b, int64_t K, float scale, int32_t a0, int32_t a1, float* d,
+                               int32_t* s, float* dxv, float* sxv, float* sxh, float* sxg) {
+    const int64_t G = K / 32;
+    d[m * G + b] = scale;
+    s[m * (K / 16) + 2 * b] = a0; s[m * (K / 16) + 2 * b + 1] = a1;
+    const float s0 = scale * (float)a0 * 0.25f, s1 = scale * (float)a1 * 0.25f;
+    _mm256_storeu_ps(dxv + (m * G + b) * LANES, _mm256_set1_ps(scale));
+    _mm256_storeu_ps(sxv + (m * G + b) * LANES, _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1));
+    if (sxh) {                                   // the lane layout's sums
+        sxh[m * (K / 16) + 2 * b] = scale * (float)a0;
+        sxh[m * (K / 16) + 2 * b + 1] = scale * (float)a1;
+        sxg[m * G + b] = scale * (float)(a0 + a1);
+    }
+}
+
 #ifdef LOCALRUN_VNNI
 // AVX-512: a group's 32 values in two registers, its maximum and code sums reduced in registers
 // and its codes narrowed by one move each; the same scale, codes and sums as the 256-bit loop
@@ -1877,43 +1895,27 @@ bool matmul_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int
 // activations of a 16-row decode step's matmuls (16 x 576 or 16 x 1536 values, 121 calls)
 // took ~0.3 ms of SmolLM2's ~20 ms step with the 256-bit loop: engine steps 0.984x the time
 // (one process alternating the two step by step, Zen 4, 2 threads, 2026-12-06).
-static void quantize_rows_512(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs, float* d, int32_t* s,
-                              float* dxv, float* sxv, float* sxh, float* sxg) {
-    const int64_t G = K / 32;
+void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs, float* d, int32_t* s,
+                   float* dxv, float* sxv, float* sxh, float* sxg) {
     constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t m = m0; m < m1; m++) {
-        for (int64_t b = 0; b < G; b++) {
+        for (int64_t b = 0; b < K / 32; b++) {
             const float* xb = x + m * K + 32 * b;
             const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
             const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             const float inv = a > 0.f ? 127.f / a : 0.f;
-            const float scale = a / 127.f;
-            d[m * G + b] = scale;
             const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)), nearest);
             const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)), nearest);
             _mm_storeu_si128((__m128i*)(qs + m * K + 32 * b), _mm512_cvtsepi32_epi8(q0));
             _mm_storeu_si128((__m128i*)(qs + m * K + 32 * b + 16), _mm512_cvtsepi32_epi8(q1));
-            const int32_t a0 = _mm512_reduce_add_epi32(q0), a1 = _mm512_reduce_add_epi32(q1);
-            s[m * (K / 16) + 2 * b] = a0; s[m * (K / 16) + 2 * b + 1] = a1;
-            const float s0 = scale * (float)a0 * 0.25f, s1 = scale * (float)a1 * 0.25f;
-            _mm256_storeu_ps(dxv + (m * G + b) * LANES, _mm256_set1_ps(scale));
-            _mm256_storeu_ps(sxv + (m * G + b) * LANES, _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1));
-            if (sxh) {                                   // the lane layout's sums
-                sxh[m * (K / 16) + 2 * b] = scale * (float)a0;
-                sxh[m * (K / 16) + 2 * b + 1] = scale * (float)a1;
-                sxg[m * G + b] = scale * (float)(a0 + a1);
-            }
+            store_group(m, b, K, a / 127.f, _mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1), d, s, dxv, sxv,
+                        sxh, sxg);
         }
     }
 }
-#endif
-
+#else
 void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs, float* d, int32_t* s,
                    float* dxv, float* sxv, float* sxh, float* sxg) {
-#ifdef LOCALRUN_VNNI
-    quantize_rows_512(x, K, m0, m1, qs, d, s, dxv, sxv, sxh, sxg);
-    return;
-#endif
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     for (int64_t m = m0; m < m1; m++) {
         for (int64_t b = 0; b < K / 32; b++) {
@@ -1928,31 +1930,19 @@ void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs
             mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
             const float a = _mm_cvtss_f32(mx);
             const float inv = a > 0.f ? 127.f / a : 0.f;
-            d[m * (K / 32) + b] = a / 127.f;
             __m256i q[4];
             for (int i = 0; i < 4; i++)
                 q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            // sums per 16 values
-            __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]);
-            // both halves' sums at once: s01's and s23's 128-bit halves added, then within (integer
-            // sums: exact in any order), and the lanes stored whole: 16-row decode steps' matmuls
-            // 0.98x the time of summing and filling through memory (Zen 4 forced to AVX2, 2026-12-06)
+            // the sums of values 0..15 and 16..31: s01's and s23's 128-bit halves added, then within
+            // (integer sums: exact in any order), in registers: 16-row decode steps' matmuls 0.98x
+            // the time of summing through memory (Zen 4 forced to AVX2, 2026-12-06)
+            const __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]);
             const __m128i lo = _mm_add_epi32(_mm256_castsi256_si128(s01), _mm256_extracti128_si256(s01, 1));
             const __m128i hi = _mm_add_epi32(_mm256_castsi256_si128(s23), _mm256_extracti128_si256(s23, 1));
             const __m128i h = _mm_hadd_epi32(lo, hi);          // lo01 lo23 hi01 hi23
             const __m128i t = _mm_hadd_epi32(h, h);            // a0 a1 a0 a1
-            const int32_t a0 = _mm_cvtsi128_si32(t), a1 = _mm_extract_epi32(t, 1);
-            s[m * (K / 16) + 2 * b] = a0; s[m * (K / 16) + 2 * b + 1] = a1;
-            const float scale = a / 127.f;
-            const float s0 = scale * (float)a0 * 0.25f, s1 = scale * (float)a1 * 0.25f;
-            _mm256_storeu_ps(dxv + (m * (K / 32) + b) * LANES, _mm256_set1_ps(scale));
-            _mm256_storeu_ps(sxv + (m * (K / 32) + b) * LANES, _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1));
-            if (sxh) {                                   // the lane layout's sums (AVX2)
-                sxh[m * (K / 16) + 2 * b] = scale * (float)a0;
-                sxh[m * (K / 16) + 2 * b + 1] = scale * (float)a1;
-                sxg[m * (K / 32) + b] = scale * (float)(a0 + a1);
-            }
+            store_group(m, b, K, a / 127.f, _mm_cvtsi128_si32(t), _mm_extract_epi32(t, 1), d, s, dxv, sxv, sxh, sxg);
             // pack int32 -> int8 in order
             __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
             __m256i p = _mm256_packs_epi16(p01, p23);
@@ -1961,6 +1951,7 @@ void quantize_rows(const float* x, int64_t K, int64_t m0, int64_t m1, int8_t* qs
         }
     }
 }
+#endif
 
 // Dequantize weight rows [n0, n1) to float32 out (row stride K).
 bool dequantize_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, float* out) {
