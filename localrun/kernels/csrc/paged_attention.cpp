@@ -260,7 +260,7 @@ void widen_fp8_base(float* dst, const uint8_t* src, int64_t n) {
 // 8 at run time.
 // Ask for a block's rows of KV head g (keys or values) ahead of their use: the blocks of a
 // sequence lie anywhere in the pool, so the hardware prefetcher cannot follow. LOCALITY 3: into
-// L1, for the block used next; 1: into L2 only. During the keys' pass, the keys two blocks on
+// L1, for the block used next; 1: into L2 only. During the keys' pass, the keys KEYS_AHEAD blocks on
 // and this block's values go to L2, so the values' pass finds them there: asked into L1 from
 // memory, the requests of a 16-row decode step waited in the prefetch loops themselves, and
 // the step's attention took 1.4-1.7x as long (docs/measurements.md).
@@ -287,7 +287,10 @@ ALWAYS_INLINE void prefetch_block(const RowArgs& a, const Pool& pool, int64_t b,
         }
     }
 }
-constexpr int64_t KEYS_AHEAD = 2;      // blocks
+// Blocks ahead. One: 0.95-0.99 of two's time on Zen 4 (16-row SmolLM2-shaped steps over 256-1024
+// positions, AVX-512 and forced AVX2, one process alternating; farther was slower: 3 blocks 1.03,
+// 4 1.08, 6 1.18), the first blocks of a row coming from its predecessor (prefetch_row_start).
+constexpr int64_t KEYS_AHEAD = 1;
 template <typename KF, typename VF>
 ALWAYS_INLINE void prefetch_keys_pass(const RowArgs& a, int64_t b, int64_t hd, int64_t part, int64_t parts) {
     prefetch_block<KF, 1>(a, a.k, b + KEYS_AHEAD, hd, part, parts);
@@ -966,6 +969,26 @@ constexpr int64_t SERIAL_WORK = 1 << 17;
 
 constexpr int64_t CHUNK = 512;   // positions per task of one long row (a multiple of every block size we use)
 
+// The first blocks of a task's keys, asked into L2 when the task before it on the same thread
+// starts: a row's own prefetches run ahead of its keys' pass only, so each task began by waiting
+// for its first blocks from memory. bytes: a position's read (every KV head's values in a
+// whole-row task, else KV head g's), elem: the pool's element size. The scales of a quantized
+// pool are left to the row's own prefetches. 30 SmolLM2-shaped layers' float16 pools, one process
+// alternating (Zen 4, 2 threads; with KEYS_AHEAD 1 against 2 before): 16 rows x 256 positions 0.92-0.93
+// of the time, 32 x 256 0.92, 16 x 1024 0.94, 4 x 256 0.96, TinyLlama's and gemma-3's heads 0.97;
+// forced AVX2 0.93. The same bits (prefetches change no value).
+constexpr int64_t NEXT_TASK_BLOCKS = 2;
+inline void prefetch_row_start(const char* pool, int64_t elem, const int64_t* table, int64_t first, int64_t end,
+                               int64_t block_size, int64_t n_kv, int64_t hd, int64_t g, bool whole) {
+    const int64_t bytes = (whole ? n_kv * hd : hd) * elem, row_bytes = n_kv * hd * elem;
+    for (int64_t b = first / block_size, i = 0; i < NEXT_TASK_BLOCKS && b * block_size < end; b++, i++) {
+        const int64_t p0 = std::max(first, b * block_size), p1 = std::min(end, (b + 1) * block_size);
+        const char* row = pool + (table[b] * block_size + p0 % block_size) * row_bytes + (whole ? 0 : g * hd * elem);
+        for (int64_t p = p0; p < p1; p++, row += row_bytes)
+            for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
+    }
+}
+
 // rows of x (`row` values each, x_stride apart) into the pool at slots
 template <typename E>
 void write_rows(E* pool, const float* x, int64_t x_stride, const int64_t* slots, int64_t T, int64_t row) {
@@ -1198,9 +1221,16 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     const int64_t per = whole_rows ? H : (group + slices - 1) / slices;
     const int64_t width = whole_rows ? n_kv * hd : hd;     // widened values per position
     std::vector<float> partial(part_row.size() * H * hd), ml(part_row.size() * H * 2);
+    const char* k_bytes = static_cast<const char*>(k_pool.data_ptr());
+    const int64_t k_elem = k_pool.element_size();
     at::parallel_for(0, pairs * slices, serial ? pairs * slices : 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> scratch;
         for (int64_t i = i0; i < i1; i++) {
+            if (i + 1 < i1 && (i + 1) / slices != i / slices) {
+                const Task& next = tasks[(i + 1) / slices];
+                prefetch_row_start(k_bytes, k_elem, tp + seqp[next.t] * max_blocks, next.first, next.end, block_size, n_kv,
+                                   hd, next.g, whole_rows);
+            }
             const Task& task = tasks[i / slices];
             const int64_t t = task.t, g = task.g, h0 = g * group + i % slices * per;
             const int64_t heads = whole_rows ? H : std::min(per, (g + 1) * group - h0);
