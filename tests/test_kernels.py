@@ -623,6 +623,49 @@ def test_paged_attention_16bit_pool_equals_float32_pool_of_its_values(dtype, hd)
         assert torch.isfinite(out).all()
 
 
+def _rounding_edges(dtype, n, rng) -> torch.Tensor:
+    """float32 values where a conversion to dtype can go wrong: exact ties between two neighbours
+    (both signs), overflow at and past the largest finite value, results below the smallest
+    subnormal, signed zeros, infinities, NaN, and n arbitrary bit patterns."""
+    if dtype == torch.float16:
+        a = rng.integers(0, 0x7bff, n // 2).astype(np.uint16)
+        lo, hi = a.view(np.float16).astype(np.float32), (a + 1).view(np.float16).astype(np.float32)
+        ties = (lo + hi) / 2                                              # exact in float32
+        special = np.array([65504, 65519.996, 65520, 1e6, 2.0 ** -25, 2.0 ** -25 * 1.0001, 3 * 2.0 ** -26, 2.0 ** -26,
+                            1e-30, 0.0, np.inf, np.nan], np.float32)
+    else:
+        ties = ((rng.integers(0, 0x7f7f, n // 2).astype(np.uint32) << 16) + 0x8000).view(np.float32)
+        special = np.array([0x7f7f8000, 0x7f7f7fff, 0x00008000, 0x00018000, 0x00000001, 0x7f800000, 0x7fc00000,
+                            0x7f800001, 0], np.uint32).view(np.float32)
+    arbitrary = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return torch.from_numpy(np.concatenate([ties, -ties, special, -special, arbitrary]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_pool_writes_round_as_torch_at_the_edges(dtype):
+    """The new rows' conversion into a float16/bfloat16 pool (8 at a time with F16C / AVX2, the
+    tail one by one) gives torch's .to() bits for every value but NaN: ties to even, subnormal
+    results, overflow to infinity, signed zeros; a NaN stays a NaN (its payload is not kept).
+    Rows of 44 values, so both the 8-wide loop and its tail run."""
+    rng = np.random.default_rng(3)
+    x = _rounding_edges(dtype, 3000, rng)
+    hd = 44
+    T = x.numel() // hd
+    k = x[: T * hd].view(T, 1, hd).clone()
+    v = k.flip(0).contiguous()
+    num_blocks = T // BLOCK + 2
+    k_pool = torch.zeros(num_blocks * BLOCK, 1, hd, dtype=dtype)
+    v_pool = torch.zeros_like(k_pool)
+    tables = torch.arange(num_blocks).view(1, num_blocks)
+    torch.ops.localrun.paged_attention(torch.zeros(T, 1, hd), k, v, k_pool, v_pool, torch.arange(T), tables,
+                                       torch.zeros(T, dtype=torch.long), torch.arange(1, T + 1), BLOCK, 0)
+    for pool, rows in ((k_pool, k), (v_pool, v)):
+        got, want = pool[:T], rows.to(dtype)
+        nan = torch.isnan(rows)
+        assert nan.sum() >= 2 and torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 def test_small_ops_equal_float64_reference():
     """silu_mul and gelu_mul (vector exp), rms_norm and add_rms_norm against float64, with a tail under 8
     values and gate values far in both tails of the sigmoid."""
