@@ -125,6 +125,17 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
     return token_id
 
 
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether `sample` is the argmax of the logits as they come, whatever the sequence's tokens:
+    greedy, and nothing of `sample`'s chain changes a logit (logit bias, min_tokens' ban, the
+    penalties, a grammar) or records one (logprobs). The engine takes such rows' argmax without
+    the chain (ModelRunner.sample). Keep in step with `sample` and `_penalized`."""
+    state = p.state
+    return (p.greedy and not p.logit_bias and not p.min_tokens and (p.repeat_penalty == 1.0 or not p.repeat_last_n)
+            and not p.presence_penalty and not p.frequency_penalty and p.logprobs is None
+            and (state is None or state.matcher is None))
+
+
 def token_logprob(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     """The sampled token's logprob and the top k, from processed logits (V,): ties ranked by id."""
     logprobs = torch.log_softmax(logits.double(), -1).float()

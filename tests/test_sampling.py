@@ -2,6 +2,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from localrun.errors import UserError
@@ -114,3 +116,46 @@ def test_sampling_frequencies_match_the_filtered_distribution():
     expected = torch.zeros(9)
     expected[[0, 1, 8]] = (torch.tensor([2.0, 1.5, 1.2]) / 0.7).softmax(-1)
     assert torch.allclose(counts.float() / 6000, expected, atol=0.025), counts
+
+
+class _BanFirst:
+    """A grammar matcher's stand-in: bans token 0 (the logits' argmax below)."""
+    def consume(self, token_id):
+        pass
+
+    def mask(self, logits):
+        return logits.index_fill(0, torch.tensor([0]), float("-inf"))
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_plain_greedy_params_sample_the_argmax_and_the_others_go_through_the_chain(data):
+    """ModelRunner.sample takes the argmax of rows whose params are `plain_greedy`, skipping the
+    chain: that must be what `sample` gives for them. Every field that changes a greedy token
+    (logit bias, min_tokens' ban, the penalties, a grammar; logprobs only records) is drawn, and
+    the logits are made so that each one, when on, changes the token (token 0 leads, token 1 is
+    close behind and in the recent tokens)."""
+    from localrun.sampling import SamplerState, plain_greedy
+    eog = 0
+    p = SamplingParams(
+        temperature=0.0, max_tokens=8,
+        logit_bias=data.draw(st.sampled_from([(), ((0, -5.0),)])),
+        min_tokens=data.draw(st.sampled_from([0, 2])),
+        repeat_penalty=data.draw(st.sampled_from([1.0, 1.5])),
+        repeat_last_n=data.draw(st.sampled_from([0, 64])),
+        presence_penalty=data.draw(st.sampled_from([0.0, 1.0])),
+        frequency_penalty=data.draw(st.sampled_from([0.0, 1.0])),
+        logprobs=data.draw(st.sampled_from([None, 2])))
+    matcher = _BanFirst() if data.draw(st.booleans()) else None
+    object.__setattr__(p, "state", SamplerState(num_prompt_tokens=2, matcher=matcher, banned_early=(eog,)))
+    logits = torch.tensor([3.0, 2.9, 1.0, -1.0])
+    recent = [0, 2, 0]                       # the prompt's 2 tokens, then token 0 once in the output
+    token = sample(logits, p, make_generator(0), recent)
+    if plain_greedy(p):
+        assert token == 0
+    changes = bool(p.logit_bias or p.min_tokens or matcher or p.frequency_penalty or p.presence_penalty
+                   or (p.repeat_penalty != 1.0 and p.repeat_last_n))
+    if changes:
+        assert not plain_greedy(p)
+        assert token != 0
+    assert plain_greedy(p) == (not changes and p.logprobs is None)

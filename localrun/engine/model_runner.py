@@ -21,7 +21,7 @@ from localrun.engine.scheduler import Batch
 from localrun.engine.sequence import Sequence
 from localrun.engine.speculative import verify_draft
 from localrun.model.llama import PagedRows, Segment, SharedPrefix, Transformer
-from localrun.sampling import SamplingParams, make_generator, sample
+from localrun.sampling import SamplingParams, make_generator, plain_greedy, sample
 
 DEFAULT_PARAMS = SamplingParams()
 # A prompt chunk of at most this many rows right after the decode rows (the small chunks an
@@ -170,11 +170,18 @@ class ModelRunner:
         entries = [e for e in batch.entries if e.samples_token]
         assert logits.shape[0] == sum(e.num_sample_rows for e in entries)
         logits = logits.cpu()
+        # plain greedy rows: numpy's argmax (sampling.argmax's), every row's in one call, without
+        # the chain's per-row calls (SmolLM2, 16 sequences: 0.43 -> 0.2 ms a step)
+        greedy = None
         out, row = [], 0
         for entry in entries:
             seq, params = entry.seq, entry.seq.sampling_params or DEFAULT_PARAMS
             try:
-                if entry.num_draft_tokens:
+                if not entry.num_draft_tokens and logits.dtype == torch.float32 and plain_greedy(params):
+                    if greedy is None:
+                        greedy = logits.numpy().argmax(axis=1).tolist()
+                    out.append(greedy[row])
+                elif entry.num_draft_tokens:
                     rows = logits[row:row + entry.num_sample_rows]
                     out.append(verify_draft(rows, entry.draft_token_ids, entry.draft_probs, params,
                                             self._generator(seq), seq.token_ids))
