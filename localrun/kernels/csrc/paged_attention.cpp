@@ -128,7 +128,7 @@ __attribute__((target("avx,f16c"))) void widen_f16_f16c(float* dst, const uint16
 }
 // float32 rows of x (`row` values each, x_stride apart) into a float16 pool at slots, rounded to
 // nearest, ties to even, as torch's .to() and c10::Half round: F16C's vcvtps2ph, 8 at a time (the
-// scalar conversion of a 16-row SmolLM2 step's new keys and values took ~12 us a layer, 0.36 ms a
+// scalar conversion of a 16-row SmolLM2 step's new keys and values took ~16 us a layer, ~0.5 ms a
 // step, Zen 4), or c10::Half without it.
 __attribute__((target("avx,f16c"))) void narrow_f16_f16c(uint16_t* pool, const float* x, int64_t x_stride,
                                                         const int64_t* slots, int64_t T, int64_t row) {
