@@ -99,7 +99,6 @@ def test_python_api_raises_when_its_request_fails(tiny_gguf, monkeypatch):
     monkeypatch.setattr(model_runner, "plain_greedy", lambda params: False)
     with pytest.raises(RuntimeError, match="generation failed: ValueError: injected"):
         llm.generate([5, 6, 7, 8], max_tokens=8, temperature=0, ignore_eos=True)
-    monkeypatch.setattr(model_runner, "sample", real)
-    monkeypatch.undo()
+    monkeypatch.undo()                  # the real sample and plain_greedy
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert len(llm.generate([5, 6, 7, 8], max_tokens=8, temperature=0, ignore_eos=True).token_ids) == 8

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 import torch
 
 from localrun.errors import UserError
-from localrun.sampling import SamplingParams, apply_repeat_penalty, filter_logits, make_generator, sample
+from localrun.sampling import (SamplerState, SamplingParams, apply_repeat_penalty, filter_logits, make_generator,
+                               plain_greedy, sample)
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
 LOGITS = torch.tensor([math.log(p) for p in (0.5, 0.25, 0.125, 0.0625, 0.0625)])
@@ -135,7 +136,6 @@ def test_plain_greedy_params_sample_the_argmax_and_the_others_go_through_the_cha
     (logit bias, min_tokens' ban, the penalties, a grammar; logprobs only records) is drawn, and
     the logits are made so that each one, when on, changes the token (token 0 leads, token 1 is
     close behind and in the recent tokens)."""
-    from localrun.sampling import SamplerState, plain_greedy
     eog = 0
     p = SamplingParams(
         temperature=0.0, max_tokens=8,

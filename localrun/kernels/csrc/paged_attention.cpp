@@ -126,6 +126,13 @@ __attribute__((target("avx,f16c"))) void widen_f16_f16c(float* dst, const uint16
         for (; i < hd; i++) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
     }
 }
+// rows of x (`row` values each, x_stride apart) into the pool at slots
+template <typename E>
+void write_rows(E* pool, const float* x, int64_t x_stride, const int64_t* slots, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = static_cast<E>(x[t * x_stride + i]);
+}
+
 // float32 rows of x (`row` values each, x_stride apart) into a float16 pool at slots, rounded to
 // nearest, ties to even, as torch's .to() and c10::Half round: F16C's vcvtps2ph, 8 at a time (the
 // scalar conversion of a 16-row SmolLM2 step's new keys and values took ~16 us a layer, ~0.5 ms a
@@ -143,8 +150,7 @@ __attribute__((target("avx,f16c"))) void narrow_f16_f16c(uint16_t* pool, const f
     }
 }
 void narrow_f16_base(uint16_t* pool, const float* x, int64_t x_stride, const int64_t* slots, int64_t T, int64_t row) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = c10::Half(x[t * x_stride + i]).x;
+    write_rows(reinterpret_cast<at::Half*>(pool), x, x_stride, slots, T, row);
 }
 // The same for a bfloat16 pool, as c10::BFloat16 rounds: the float's bits + 0x7fff + (bit 16), the
 // top half kept; a NaN becomes 0x7fc0. AVX2 integer arithmetic, 8 at a time.
@@ -168,8 +174,7 @@ __attribute__((target("avx2"))) void narrow_bf16_avx2(uint16_t* pool, const floa
     }
 }
 void narrow_bf16_base(uint16_t* pool, const float* x, int64_t x_stride, const int64_t* slots, int64_t T, int64_t row) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = c10::BFloat16(x[t * x_stride + i]).x;
+    write_rows(reinterpret_cast<at::BFloat16*>(pool), x, x_stride, slots, T, row);
 }
 void widen_f16_bits(float* dst, const uint16_t* src, int64_t n, int64_t src_stride, int64_t hd) {
     for (int64_t r = 0; r < n; r++, src += src_stride, dst += hd) {
@@ -1034,13 +1039,6 @@ inline void prefetch_row_start(const char* pool, int64_t elem, const int64_t* ta
         for (int64_t p = p0; p < p1; p++, row += row_bytes)
             for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
     }
-}
-
-// rows of x (`row` values each, x_stride apart) into the pool at slots
-template <typename E>
-void write_rows(E* pool, const float* x, int64_t x_stride, const int64_t* slots, int64_t T, int64_t row) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < row; i++) pool[slots[t] * row + i] = static_cast<E>(x[t * x_stride + i]);
 }
 
 // Quantized rows, written as paged_kv.py's stores write them (the reference; a test compares the
