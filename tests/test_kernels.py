@@ -844,6 +844,50 @@ def test_compiled_write_equals_the_stores_torch_write(kv_type, hd, monkeypatch):
     assert len(calls) == 2 * len(chunks)              # every write above went through the kernel
 
 
+@pytest.mark.parametrize("hd", [64, 44])
+def test_int8_k_decode_writes_keep_or_requantize_a_block_as_the_store_does(hd, monkeypatch):
+    """One row at a time into int8 K blocks (decode steps), through kernels.write_kv against the
+    store's torch write, bytes and scales: scales that are powers of two with a +-127 code in
+    every channel, so that small new rows leave a channel's scale bit for bit as it was (the
+    kernel then leaves the earlier codes in place) and large ones grow it in some channels only;
+    earlier codes of -128 (which the store clamps to -127 when it requantizes); head sizes whose
+    channels end in a part of 8."""
+    from localrun.engine import paged_kv
+    from localrun.engine.paged_kv import PagedKVCache, WriteTarget
+    g = torch.Generator().manual_seed(hd)
+    n_kv, num_blocks = 3, 6
+    stores = [PagedKVCache(num_blocks=num_blocks, block_size=BLOCK, n_layers=1, n_head_kv=n_kv, head_dim=hd,
+                           kv_type="int8", compute_dtype=torch.float32).layers[0][0] for _ in range(2)]
+    compiled, reference = stores
+    assert type(compiled).__name__ == "ChannelScaledStore"
+    codes = torch.randint(-127, 128, compiled.data.shape, generator=g, dtype=torch.int8)
+    codes.view(num_blocks, BLOCK, n_kv, hd)[:, 0] = 127                       # every channel's largest code
+    codes.view(num_blocks, BLOCK, n_kv, hd)[:, 1] = -127
+    codes.view(num_blocks, BLOCK, n_kv, hd)[4, 2, 1, 5:9] = -128              # not a code the store writes
+    scale = 2.0 ** torch.randint(-6, 2, compiled.scale.shape, generator=g).float()
+    for store in stores:
+        store.data.copy_(codes), store.scale.copy_(scale)
+    calls, write = [], kernels.write_kv
+
+    def counted(*args, **options):
+        calls.append(1)
+        return write(*args, **options)
+    monkeypatch.setattr(kernels, "write_kv", counted)
+    for b in range(num_blocks):
+        for off in range(2, 7):
+            x = torch.randn(1, n_kv, hd, generator=g) * 0.01                  # under every scale: nothing grows
+            if off == 4:
+                x[0, :, : hd // 3] *= 1e4                                     # some channels grow, not all
+            target = WriteTarget(torch.tensor([b * BLOCK + off]), torch.tensor([b]), off)
+            compiled.write(target, x)
+            with monkeypatch.context() as m:
+                m.setattr(paged_kv, "_compiled_kv", lambda data: False)
+                reference.write(target, x)
+            assert torch.equal(compiled.data, reference.data), (b, off)
+            assert torch.equal(compiled.scale.view(torch.int32), reference.scale.view(torch.int32)), (b, off)
+    assert len(calls) == num_blocks * 5
+
+
 def test_topk_kernel_equals_torch_topk_ties_lowest_index_first():
     """kernels.topk (the sampler's candidates) against a stable sort: the n largest values in
     descending order, ties by lowest index, for random rows, rows full of ties, masked (-inf)

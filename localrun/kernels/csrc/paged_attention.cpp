@@ -986,61 +986,6 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl"))) void attend_avx512(con
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const RowArgs& a, PoolType t) { attend_any<true>(a, t); }
 void attend_base(const RowArgs& a, PoolType t) { attend_any<false>(a, t); }
 
-using RowKernel = void (*)(const RowArgs&, PoolType);
-struct Kernels {
-    RowKernel attend;
-    void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);
-    void (*narrow_f16)(uint16_t*, const float*, int64_t, const int64_t*, int64_t, int64_t);
-    void (*narrow_bf16)(uint16_t*, const float*, int64_t, const int64_t*, int64_t, int64_t);
-    void (*widen_fp8)(float*, const uint8_t*, int64_t);
-    void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
-};
-
-// AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA=avx2|avxvnni|ref forces a
-// narrower kernel (avxvnni: the AVX2 one, as on the CPUs it stands for).
-const Kernels& kernels() {
-    static const Kernels chosen = [] {
-        const char* env = std::getenv("LOCALRUN_ISA");
-        const std::string forced = env ? env : "";
-        __builtin_cpu_init();
-        const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-        if (forced == "ref" || !avx2)
-            return Kernels{&attend_base, &widen_f16_bits, &narrow_f16_base, &narrow_bf16_base, &widen_fp8_base, &widen_i8_scaled_base};
-        // every AVX2 CPU has F16C
-        return Kernels{avx512 && (forced.empty() || forced == "avx512") ? &attend_avx512 : &attend_avx2, &widen_f16_f16c,
-                       &narrow_f16_f16c, &narrow_bf16_avx2, &widen_fp8_avx2, &widen_i8_scaled_avx2};
-    }();
-    return chosen;
-}
-
-// Below this much work (query heads x positions x head size) a call runs on the calling thread:
-// waking the others and splitting heads costs more (Zen 3, 2 threads: one SmolLM2 decode row
-// over 160 positions takes 35 us alone and 40 us split; at 300 positions the two are even).
-constexpr int64_t SERIAL_WORK = 1 << 17;
-
-constexpr int64_t CHUNK = 512;   // positions per task of one long row (a multiple of every block size we use)
-
-// The first blocks of a task's keys, asked into L2 when the task before it on the same thread
-// starts: a row's own prefetches run ahead of its keys' pass only, so each task began by waiting
-// for its first blocks from memory. bytes: a position's read (every KV head's values in a
-// whole-row task, else KV head g's), elem: the pool's element size. The scales of a quantized
-// pool are left to the row's own prefetches. 30 SmolLM2-shaped layers' float16 pools, one process
-// alternating (Zen 4, 2 threads; with KEYS_AHEAD 1 against 2 before): 16 rows x 256 positions 0.92-0.93
-// of the time, 32 x 256 0.92, 16 x 1024 0.94, 4 x 256 0.96, TinyLlama's and gemma-3's heads 0.97;
-// forced AVX2 0.93. The same bits (prefetches change no value).
-constexpr int64_t NEXT_TASK_BLOCKS = 2;
-inline void prefetch_row_start(const char* pool, int64_t elem, const int64_t* table, int64_t first, int64_t end,
-                               int64_t block_size, int64_t n_kv, int64_t hd, int64_t g, bool whole) {
-    const int64_t bytes = (whole ? n_kv * hd : hd) * elem, row_bytes = n_kv * hd * elem;
-    for (int64_t b = first / block_size, i = 0; i < NEXT_TASK_BLOCKS && b * block_size < end; b++, i++) {
-        const int64_t p0 = std::max(first, b * block_size), p1 = std::min(end, (b + 1) * block_size);
-        const char* row = pool + (table[b] * block_size + p0 % block_size) * row_bytes + (whole ? 0 : g * hd * elem);
-        for (int64_t p = p0; p < p1; p++, row += row_bytes)
-            for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
-    }
-}
-
 // Quantized rows, written as paged_kv.py's stores write them (the reference; a test compares the
 // pools' bytes): a value over its scale, rounded to nearest even and clamped (int8) or cast (fp8).
 constexpr float MIN_SCALE = 1e-12f;     // paged_kv.MIN_SCALE: an all-zero vector still gets a scale
@@ -1074,16 +1019,156 @@ void requantize_columns(int8_t* blk, float* sc, const float* x, float* window, i
         for (int64_t c = 0; c < w; c++) blk[r * row + c] = int8_code(window[r * CH + c] / sc[c]);
 }
 
+// int8_code of 8 floats: the same float steps (the rounding constant added and taken off, the
+// clamp with std::max / std::min's NaN rule: a NaN passes through), then the truncating
+// conversion and its low byte, as static_cast<int> and static_cast<int8_t> (a NaN: 0x80000000 ->
+// 0), packed into the low 8 bytes
+__attribute__((target("avx2"))) ALWAYS_INLINE __m128i int8_codes8(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(0x1.8p23f);
+    const __m256 r = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
+    const __m256 c = _mm256_min_ps(_mm256_set1_ps(127.f), _mm256_max_ps(_mm256_set1_ps(-127.f), r));
+    const __m256i low = _mm256_shuffle_epi8(_mm256_cvttps_epi32(c), _mm256_setr_epi8(
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+}
+
+// requantize_columns with AVX2, 8 channels at a time, the same bytes and scales: the maximum
+// over the block's earlier tokens (code x scale) and the new rows, the scale over 127 (max with
+// std::max's order, so a NaN is passed over as there), each row's value over it, int8_code.
+// Where 8 channels' scales come out bit for bit as they were, their earlier codes are left in
+// place: code x scale / scale rounds back to the code exactly (the two roundings move it by
+// under 2^-16). A code of -128 (not one the stores write) makes the maximum 128 x scale, so its
+// scale grows and it is requantized (clamped to -127) as the store does.
+// A decode step writes one row per block; requantizing the block whole took ~17 us of a 16-row
+// SmolLM2 step's paged_attention (~45 us with the V rows) a layer (Zen 4, 2026-12-06).
+__attribute__((target("avx2"))) void requantize_columns_avx2(int8_t* blk, float* sc, const float* x, float* window,
+                                                            int64_t off, int64_t n, int64_t bs, int64_t row, int64_t w,
+                                                            int64_t CH) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int64_t c = 0;
+    for (; c + 8 <= w; c += 8) {
+        const __m256 s = _mm256_loadu_ps(sc + c);
+        __m256 amax = _mm256_setzero_ps();
+        for (int64_t r = 0; r < off; r++) {
+            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + r * row + c));
+            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
+            amax = _mm256_max_ps(_mm256_and_ps(v, abs_mask), amax);    // std::max(amax, |v|)
+        }
+        for (int64_t r = 0; r < n; r++)
+            amax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + r * row + c), abs_mask), amax);
+        const __m256 s2 = _mm256_max_ps(_mm256_set1_ps(MIN_SCALE), _mm256_div_ps(amax, _mm256_set1_ps(127.f)));
+        _mm256_storeu_ps(sc + c, s2);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(s2, s, _CMP_EQ_OQ)) != 0xff)
+            for (int64_t r = 0; r < off; r++) {
+                int8_t* dst = blk + r * row + c;
+                const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(dst));
+                const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
+                _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), int8_codes8(_mm256_div_ps(v, s2)));
+            }
+        for (int64_t r = 0; r < n; r++)
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(blk + (off + r) * row + c),
+                             int8_codes8(_mm256_div_ps(_mm256_loadu_ps(x + r * row + c), s2)));
+        for (int64_t r = off + n; r < bs; r++) std::memset(blk + r * row + c, 0, 8);     // int8_code(0 / s2)
+    }
+    if (c < w)          // the last channels (fewer than 8) as requantize_columns does them
+        requantize_columns(blk + c, sc + c, x + c, window, off, n, bs, row, w - c, CH);
+}
+
+// One token's group of int8 values (a multiple of 8) as write_token_scaled quantizes it, with
+// AVX2: the maximum |value| (a NaN passed over, as std::max does there), its scale, each value
+// over the scale, int8_code.
+__attribute__((target("avx2"))) void quantize_group_int8_avx2(int8_t* dst, float* scale, const float* src, int64_t group) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t j = 0; j < group; j += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + j), abs_mask), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float s = std::max(amax / 127.f, MIN_SCALE);
+    *scale = s;
+    for (int64_t j = 0; j < group; j += 8)
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + j), int8_codes8(_mm256_div_ps(_mm256_loadu_ps(src + j), _mm256_set1_ps(s))));
+}
+
+using RowKernel = void (*)(const RowArgs&, PoolType);
+struct Kernels {
+    RowKernel attend;
+    void (*widen_f16)(float*, const uint16_t*, int64_t, int64_t, int64_t);
+    void (*narrow_f16)(uint16_t*, const float*, int64_t, const int64_t*, int64_t, int64_t);
+    void (*narrow_bf16)(uint16_t*, const float*, int64_t, const int64_t*, int64_t, int64_t);
+    void (*widen_fp8)(float*, const uint8_t*, int64_t);
+    void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+    // the int8 stores' writes (below): an int8 K block's channels requantized; a token's group of int8 V
+    void (*requantize)(int8_t*, float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+    void (*quantize_group_int8)(int8_t*, float*, const float*, int64_t);      // nullptr: the scalar loop
+};
+
+// AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA=avx2|avxvnni|ref forces a
+// narrower kernel (avxvnni: the AVX2 one, as on the CPUs it stands for).
+const Kernels& kernels() {
+    static const Kernels chosen = [] {
+        const char* env = std::getenv("LOCALRUN_ISA");
+        const std::string forced = env ? env : "";
+        __builtin_cpu_init();
+        const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+        if (forced == "ref" || !avx2)
+            return Kernels{&attend_base, &widen_f16_bits, &narrow_f16_base, &narrow_bf16_base, &widen_fp8_base,
+                           &widen_i8_scaled_base, &requantize_columns, nullptr};
+        // every AVX2 CPU has F16C
+        return Kernels{avx512 && (forced.empty() || forced == "avx512") ? &attend_avx512 : &attend_avx2, &widen_f16_f16c,
+                       &narrow_f16_f16c, &narrow_bf16_avx2, &widen_fp8_avx2, &widen_i8_scaled_avx2,
+                       &requantize_columns_avx2, &quantize_group_int8_avx2};
+    }();
+    return chosen;
+}
+
+// Below this much work (query heads x positions x head size) a call runs on the calling thread:
+// waking the others and splitting heads costs more (Zen 3, 2 threads: one SmolLM2 decode row
+// over 160 positions takes 35 us alone and 40 us split; at 300 positions the two are even).
+constexpr int64_t SERIAL_WORK = 1 << 17;
+
+constexpr int64_t CHUNK = 512;   // positions per task of one long row (a multiple of every block size we use)
+
+// The first blocks of a task's keys, asked into L2 when the task before it on the same thread
+// starts: a row's own prefetches run ahead of its keys' pass only, so each task began by waiting
+// for its first blocks from memory. bytes: a position's read (every KV head's values in a
+// whole-row task, else KV head g's), elem: the pool's element size. The scales of a quantized
+// pool are left to the row's own prefetches. 30 SmolLM2-shaped layers' float16 pools, one process
+// alternating (Zen 4, 2 threads; with KEYS_AHEAD 1 against 2 before): 16 rows x 256 positions 0.92-0.93
+// of the time, 32 x 256 0.92, 16 x 1024 0.94, 4 x 256 0.96, TinyLlama's and gemma-3's heads 0.97;
+// forced AVX2 0.93. The same bits (prefetches change no value).
+constexpr int64_t NEXT_TASK_BLOCKS = 2;
+inline void prefetch_row_start(const char* pool, int64_t elem, const int64_t* table, int64_t first, int64_t end,
+                               int64_t block_size, int64_t n_kv, int64_t hd, int64_t g, bool whole) {
+    const int64_t bytes = (whole ? n_kv * hd : hd) * elem, row_bytes = n_kv * hd * elem;
+    for (int64_t b = first / block_size, i = 0; i < NEXT_TASK_BLOCKS && b * block_size < end; b++, i++) {
+        const int64_t p0 = std::max(first, b * block_size), p1 = std::min(end, (b + 1) * block_size);
+        const char* row = pool + (table[b] * block_size + p0 % block_size) * row_bytes + (whole ? 0 : g * hd * elem);
+        for (int64_t p = p0; p < p1; p++, row += row_bytes)
+            for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
+    }
+}
+
+// Values a thread's share of a quantized store's write takes at least (at::parallel_for's grain):
+// a decode step's few rows are written on the calling thread, ~1-2 us, less than waking another.
+constexpr int64_t WRITE_GRAIN = 4096;
+
 // One scale per `group` values of a token's head (TokenScaledStore): int8 or fp8 codes.
 template <bool FP8>
 void write_token_scaled(void* data, float* scale, int64_t group, const float* x, const int64_t* slots, int64_t T,
                         int64_t n_kv, int64_t hd) {
     const float qmax = FP8 ? 448.f : 127.f;      // float8_e4m3fn's largest finite value, or int8's
     const int64_t groups = n_kv * hd / group;     // scales per token
-    at::parallel_for(0, T * groups, 64, [&](int64_t i0, int64_t i1) {
+    const auto vector = FP8 || group % 8 ? nullptr : kernels().quantize_group_int8;
+    at::parallel_for(0, T * groups, WRITE_GRAIN / group, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; i++) {
             const int64_t t = i / groups, gi = i % groups, at_ = slots[t] * groups + gi;
             const float* src = x + t * groups * group + gi * group;
+            if (vector) {
+                vector(static_cast<int8_t*>(data) + at_ * group, scale + at_, src, group);
+                continue;
+            }
             float amax = 0.f;
             for (int64_t j = 0; j < group; j++) amax = std::max(amax, std::fabs(src[j]));
             const float s = std::max(amax / qmax, MIN_SCALE);
@@ -1119,12 +1204,13 @@ void write_channel_scaled(int8_t* data, float* scale, const float* x, const int6
     // tasks: (run, channel chunk); a channel's scale depends on its own column only
     constexpr int64_t CH = 64;
     const int64_t chunks = (row + CH - 1) / CH;
-    at::parallel_for(0, (int64_t)runs.size() * chunks, 1, [&](int64_t i0, int64_t i1) {
+    const auto requantize = kernels().requantize;
+    at::parallel_for(0, (int64_t)runs.size() * chunks, std::max<int64_t>(1, WRITE_GRAIN / (bs * CH)), [&](int64_t i0, int64_t i1) {
         std::vector<float> window(bs * CH);
         for (int64_t i = i0; i < i1; i++) {
             const int64_t t0 = runs[i / chunks][0], n = runs[i / chunks][1] - t0;
             const int64_t c0 = i % chunks * CH, b = slots[t0] / bs;
-            requantize_columns(data + b * bs * row + c0, scale + b * row + c0, x + t0 * row + c0, window.data(),
+            requantize(data + b * bs * row + c0, scale + b * row + c0, x + t0 * row + c0, window.data(),
                                slots[t0] % bs, n, bs, row, std::min(CH, row - c0), CH);
         }
     });
