@@ -20,7 +20,7 @@
 namespace localrun {
 // Each instruction set's build of qmatmul_simd.h (qmatmul_<isa>.cpp), in its own namespace
 #define LOCALRUN_SIMD_DECLS                                                                                              \
-    bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t, bool);         \
+    bool matmul_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QX&, int64_t, float*, int64_t, bool); \
     bool matmul_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t); \
     void quantize_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*, float*, float*, float*, float*); \
     bool dequantize_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
@@ -127,10 +127,11 @@ void quantize(const float* x, int64_t M, int64_t K, int8_t* qs, float* d, int32_
     if (M < QUANTIZE_SPLIT_ROWS && M * K < 65536) body(0, M); else at::parallel_for(0, M, 1, body);
 }
 
-void matmul_range(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QX& qx, int64_t M,
-                  float* y, int64_t ldy, bool lanes) {
+// rows n0 .. n1 - 1 of a weight of n_end rows (the kernels' prefetches may reach past n1)
+void matmul_range(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n_end, const QX& qx,
+                  int64_t M, float* y, int64_t ldy, bool lanes) {
     if (const Simd* k = simd()) {
-        k->matmul_rows(qtype, w, row_bytes, n0, n1, qx, M, y, ldy, lanes);
+        k->matmul_rows(qtype, w, row_bytes, n0, n1, n_end, qx, M, y, ldy, lanes);
         return;
     }
     for (int64_t n = n0; n < n1; n++)
@@ -282,7 +283,8 @@ at::Tensor qmatmul_impl(const at::Tensor& x_in, at::TensorList weights, at::IntA
     const QX qx{buf.qs, buf.d, buf.s, K, buf.dxv, buf.sxv, buf.sxh, buf.sxg};
     over_rows([&](size_t i, int64_t n0, int64_t n1) {   // part i's rows n0..n1, at column offset starts[i]
         const at::Tensor& w = weights[i];
-        matmul_range(types[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, qx, M, out + starts[i], N, qtypes[i] & LANES);
+        matmul_range(types[i], w.data_ptr<uint8_t>(), w.size(1), n0, n1, w.size(0), qx, M, out + starts[i], N,
+                     qtypes[i] & LANES);
     });
     return y;
 }
