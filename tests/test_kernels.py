@@ -888,6 +888,40 @@ def test_int8_k_decode_writes_keep_or_requantize_a_block_as_the_store_does(hd, m
     assert len(calls) == num_blocks * 5
 
 
+def test_fp8_pool_writes_round_as_torch_over_the_whole_range():
+    """The float8 e4m3fn codes a quantized pool's write gives (kernels.write_kv, one scale per 32
+    values) equal torch's .to(torch.float8_e4m3fn) of value / scale: each group holds 448 (so its
+    scale is exactly 1) and arbitrary float32 bit patterns of magnitude up to 448, fp8's
+    subnormals and the ties between its neighbouring codes, signed zeros and a NaN (the scale
+    passes over it; the code is NaN)."""
+    from localrun.engine import paged_kv
+    if paged_kv.fp8_dtype() is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    rng = np.random.default_rng(8)
+    codes = np.arange(256, dtype=np.uint8)
+    finite = torch.from_numpy(codes).view(torch.float8_e4m3fn).float()
+    finite = finite[torch.isfinite(finite)].sort().values
+    ties = ((finite[1:] + finite[:-1]) / 2).numpy()                    # halfway between neighbours
+    arbitrary = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    arbitrary = arbitrary[np.isfinite(arbitrary) & (np.abs(arbitrary) <= 448)]
+    values = np.concatenate([ties, -ties, finite.numpy(), arbitrary, np.float32([0.0, -0.0, 2.0**-10, -(2.0**-9) * 3,
+                                                                                   np.nan])]).astype(np.float32)
+    per = 31                                                          # each group: 448 and 31 values
+    values = np.concatenate([values, np.zeros(-len(values) % per, np.float32)]).reshape(-1, per)
+    groups = np.concatenate([np.full((len(values), 1), 448.0, np.float32), values], axis=1)
+    T = -(-len(groups) // 2)                                          # two groups of 32 per token (hd 64)
+    groups = np.concatenate([groups, np.full((2 * T - len(groups), 32), 448.0, np.float32)])
+    x = torch.from_numpy(groups.reshape(T, 1, 64).copy())
+    slots = -(-T // BLOCK) * BLOCK                                     # the pool: whole blocks
+    data = torch.zeros(slots, 1, 64, dtype=torch.uint8)
+    scale = torch.zeros(slots, 1, 2)
+    kernels.write_kv(x, data, scale, torch.arange(T), BLOCK, per_block=False, fp8=True)
+    data, scale = data[:T], scale[:T]
+    assert torch.equal(scale, torch.ones_like(scale))
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(data, want), (x[data != want][:8], data[data != want][:8], want[data != want][:8])
+
+
 def test_topk_kernel_equals_torch_topk_ties_lowest_index_first():
     """kernels.topk (the sampler's candidates) against a stable sort: the n largest values in
     descending order, ties by lowest index, for random rows, rows full of ties, masked (-inf)
