@@ -1019,6 +1019,13 @@ void requantize_columns(int8_t* blk, float* sc, const float* x, float* window, i
         for (int64_t c = 0; c < w; c++) blk[r * row + c] = int8_code(window[r * CH + c] / sc[c]);
 }
 
+// The low byte of each of 8 int32 lanes, packed into the low 8 bytes (a truncating narrowing)
+__attribute__((target("avx2"))) ALWAYS_INLINE __m128i low_bytes8(__m256i v) {
+    const __m256i low = _mm256_shuffle_epi8(v, _mm256_setr_epi8(
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+}
+
 // int8_code of 8 floats: the same float steps (the rounding constant added and taken off, the
 // clamp with std::max / std::min's NaN rule: a NaN passes through), then the truncating
 // conversion and its low byte, as static_cast<int> and static_cast<int8_t> (a NaN: 0x80000000 ->
@@ -1027,9 +1034,7 @@ __attribute__((target("avx2"))) ALWAYS_INLINE __m128i int8_codes8(__m256 x) {
     const __m256 magic = _mm256_set1_ps(0x1.8p23f);
     const __m256 r = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
     const __m256 c = _mm256_min_ps(_mm256_set1_ps(127.f), _mm256_max_ps(_mm256_set1_ps(-127.f), r));
-    const __m256i low = _mm256_shuffle_epi8(_mm256_cvttps_epi32(c), _mm256_setr_epi8(
-        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-    return _mm_unpacklo_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+    return low_bytes8(_mm256_cvttps_epi32(c));
 }
 
 // requantize_columns with AVX2, 8 channels at a time, the same bytes and scales: the maximum
@@ -1075,8 +1080,7 @@ __attribute__((target("avx2"))) void requantize_columns_avx2(int8_t* blk, float*
 }
 
 // The largest |value| of a token's group (a multiple of 8 values), a NaN passed over as
-// std::max passes it in write_token_scaled; and the group's int8 codes and scale as that
-// quantizes them: each value over the scale, int8_code.
+// std::max passes it in write_token_scaled.
 __attribute__((target("avx2"))) float group_amax_avx2(const float* src, int64_t group) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 m = _mm256_setzero_ps();
@@ -1084,12 +1088,6 @@ __attribute__((target("avx2"))) float group_amax_avx2(const float* src, int64_t 
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-__attribute__((target("avx2"))) void quantize_group_int8_avx2(int8_t* dst, float* scale, const float* src, int64_t group) {
-    const float s = std::max(group_amax_avx2(src, group) / 127.f, MIN_SCALE);
-    *scale = s;
-    for (int64_t j = 0; j < group; j += 8)
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + j), int8_codes8(_mm256_div_ps(_mm256_loadu_ps(src + j), _mm256_set1_ps(s))));
 }
 
 // c10::Float8_e4m3fn's rounding of 8 floats (fp8e4m3fn_from_fp32_value) in AVX2 integer steps,
@@ -1114,19 +1112,19 @@ __attribute__((target("avx2"))) ALWAYS_INLINE __m128i fp8_codes8(__m256 x) {
                                          _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));    // NaN: 0x7f
     __m256i r = _mm256_blendv_epi8(normal, small, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), a));
     r = _mm256_blendv_epi8(r, big, _mm256_cmpgt_epi32(a, _mm256_set1_epi32((1087 << 20) - 1)));
-    r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
-    const __m256i low = _mm256_shuffle_epi8(r, _mm256_setr_epi8(
-        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-    return _mm_unpacklo_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+    return low_bytes8(_mm256_or_si256(r, _mm256_srli_epi32(sign, 24)));
 }
 
-// One token's group of fp8 values (a multiple of 8) as write_token_scaled quantizes it: the
-// maximum |value| (a NaN passed over), the scale over 448, each value over it, c10's rounding.
-__attribute__((target("avx2"))) void quantize_group_fp8_avx2(uint8_t* dst, float* scale, const float* src, int64_t group) {
-    const float s = std::max(group_amax_avx2(src, group) / 448.f, MIN_SCALE);
+// One token's group of int8 or fp8 values (a multiple of 8) as write_token_scaled quantizes it:
+// the maximum |value|, the scale over 127 or 448, each value over it, int8_code or c10's rounding.
+template <bool FP8>
+__attribute__((target("avx2"))) void quantize_group_avx2(void* dst, float* scale, const float* src, int64_t group) {
+    const float s = std::max(group_amax_avx2(src, group) / (FP8 ? 448.f : 127.f), MIN_SCALE);
     *scale = s;
-    for (int64_t j = 0; j < group; j += 8)
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + j), fp8_codes8(_mm256_div_ps(_mm256_loadu_ps(src + j), _mm256_set1_ps(s))));
+    for (int64_t j = 0; j < group; j += 8) {
+        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(src + j), _mm256_set1_ps(s));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(dst) + j), FP8 ? fp8_codes8(v) : int8_codes8(v));
+    }
 }
 
 using RowKernel = void (*)(const RowArgs&, PoolType);
@@ -1139,8 +1137,8 @@ struct Kernels {
     void (*widen_i8_scaled)(float*, const int8_t*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
     // the int8 stores' writes (below): an int8 K block's channels requantized; a token's group of int8 V
     void (*requantize)(int8_t*, float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-    void (*quantize_group_int8)(int8_t*, float*, const float*, int64_t);      // nullptr: the scalar loop
-    void (*quantize_group_fp8)(uint8_t*, float*, const float*, int64_t);      // nullptr: the scalar loop
+    void (*quantize_group_int8)(void*, float*, const float*, int64_t);        // nullptr: the scalar loop
+    void (*quantize_group_fp8)(void*, float*, const float*, int64_t);         // nullptr: the scalar loop
 };
 
 // AVX-512 only adds registers here (32 instead of 16); LOCALRUN_ISA=avx2|avxvnni|ref forces a
@@ -1158,7 +1156,7 @@ const Kernels& kernels() {
         // every AVX2 CPU has F16C
         return Kernels{avx512 && (forced.empty() || forced == "avx512") ? &attend_avx512 : &attend_avx2, &widen_f16_f16c,
                        &narrow_f16_f16c, &narrow_bf16_avx2, &widen_fp8_avx2, &widen_i8_scaled_avx2,
-                       &requantize_columns_avx2, &quantize_group_int8_avx2, &quantize_group_fp8_avx2};
+                       &requantize_columns_avx2, &quantize_group_avx2<false>, &quantize_group_avx2<true>};
     }();
     return chosen;
 }
@@ -1200,18 +1198,13 @@ void write_token_scaled(void* data, float* scale, int64_t group, const float* x,
                         int64_t n_kv, int64_t hd) {
     const float qmax = FP8 ? 448.f : 127.f;      // float8_e4m3fn's largest finite value, or int8's
     const int64_t groups = n_kv * hd / group;     // scales per token
-    const auto int8_vector = FP8 || group % 8 ? nullptr : kernels().quantize_group_int8;
-    const auto fp8_vector = !FP8 || group % 8 ? nullptr : kernels().quantize_group_fp8;
+    const auto vector = group % 8 ? nullptr : FP8 ? kernels().quantize_group_fp8 : kernels().quantize_group_int8;
     at::parallel_for(0, T * groups, WRITE_GRAIN / group, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; i++) {
             const int64_t t = i / groups, gi = i % groups, at_ = slots[t] * groups + gi;
             const float* src = x + t * groups * group + gi * group;
-            if (int8_vector) {
-                int8_vector(static_cast<int8_t*>(data) + at_ * group, scale + at_, src, group);
-                continue;
-            }
-            if (fp8_vector) {
-                fp8_vector(static_cast<uint8_t*>(data) + at_ * group, scale + at_, src, group);
+            if (vector) {
+                vector(static_cast<uint8_t*>(data) + at_ * group, scale + at_, src, group);
                 continue;
             }
             float amax = 0.f;
