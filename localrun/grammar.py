@@ -19,8 +19,11 @@ sequence gets its own copy of the compiled matcher (`Constraint.new_matcher`).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +44,14 @@ ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "
 SUPPORTED_FORMATS = frozenset({"date-time", "date", "time", "email", "uuid", "ipv4"})
 JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
 CACHE_SIZE = 64
+# A schema's or grammar's text, at most: real schemas (tool sets included) are a few KB, and
+# the cost of a mask grows with the grammar (a 500 KB `const` took 4 s for its first mask).
+MAX_SOURCE_BYTES = 128 * 1024
+# A repetition count in a grammar (`x{m,n}`), at most: llama.cpp's GBNF parser refuses more
+# (MAX_REPETITION_THRESHOLD); llguidance compiled "x"{1000000} in 4 s, then gave up mid-reply.
+MAX_REPETITION = 2000
+_REPETITION = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')     # a string literal: its braces are text
 
 
 class GrammarError(UserError, ValueError):
@@ -100,19 +111,36 @@ def check_schema(schema, field: str = "json_schema", where: str = "schema") -> N
 
 class Matcher:
     """One sequence's grammar state: the mask of the tokens that may come next, and the
-    tokens consumed so far."""
+    tokens consumed so far.
 
-    def __init__(self, ll_matcher, n_vocab: int):
+    The mask for the next token is computed ahead, on the compiler's grammar thread, as soon
+    as the tokens before it are known (`advance`): the engine thread never computes one. The
+    scheduler leaves a sequence out of a step until its mask is `ready`, so a costly grammar
+    slows its own request, not the others' steps. The first mask (the grammar's start) was
+    computed when the grammar was compiled, at the door."""
+
+    def __init__(self, ll_matcher, n_vocab: int, first_allowed: torch.Tensor, worker: Executor):
         self._m = ll_matcher
-        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self.n_vocab = n_vocab
+        self._worker = worker
+        self._pending: Future = Future()
+        self._pending.set_result(first_allowed)
+
+    def advance(self, token_ids: list[int]) -> None:
+        """Consume token_ids and compute the mask after them, on the grammar thread."""
+        self._pending = self._worker.submit(self._advance, list(token_ids))
+
+    def ready(self) -> bool:
+        """The next token's mask is computed (or its computation failed)."""
+        return self._pending.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        wait_futures([self._pending], timeout)
 
     def allowed(self) -> torch.Tensor:
-        """(n_vocab,) bool: the tokens the grammar allows next (EOS once it is complete)."""
-        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        self._check()
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.n_vocab]
-        return torch.from_numpy(bits.astype(bool))
+        """(n_vocab,) bool: the tokens the grammar allows next (EOS once it is complete).
+        Waits for the grammar thread if the mask is not ready; raises the grammar's error."""
+        return self._pending.result()
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (V,) with every token the grammar forbids at -inf."""
@@ -122,17 +150,31 @@ class Matcher:
         return logits.masked_fill(~allowed[:logits.shape[0]], float("-inf"))
 
     def consume(self, token_id: int) -> None:
-        if not self._m.consume_token(token_id):
-            self._check()
-            raise RuntimeError(f"the grammar refused token {token_id}")
+        """Consume one token now (raises if the grammar refuses it)."""
+        self.advance([token_id])
+        self.allowed()
 
     @property
     def is_accepting(self) -> bool:
+        self.allowed()         # the grammar thread is done with the matcher
         return self._m.is_accepting()
 
-    def _check(self) -> None:
-        if self._m.is_error():
-            raise RuntimeError(f"grammar matcher: {self._m.get_error()}")
+    # --- on the grammar thread ---------------------------------------------------------------
+    def _advance(self, token_ids: list[int]) -> torch.Tensor:
+        for token_id in token_ids:
+            if not self._m.consume_token(token_id):
+                raise RuntimeError(f"the grammar refused token {token_id}"
+                                   + (f" ({_short(self._m.get_error())})" if self._m.is_error() else ""))
+        return compute_allowed(self._m, self.n_vocab)
+
+
+def compute_allowed(ll_matcher, n_vocab: int) -> torch.Tensor:
+    """(n_vocab,) bool: the tokens ll_matcher allows next (RuntimeError if it is in error)."""
+    bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+    ll_matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    if ll_matcher.is_error():
+        raise RuntimeError(f"grammar matcher: {_short(ll_matcher.get_error())}")
+    return torch.from_numpy(np.unpackbits(bits.view(np.uint8), bitorder="little")[:n_vocab].astype(bool))
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,9 +184,11 @@ class Constraint:
     key: str             # its canonical source: the cache key
     _template: object    # llguidance.LLMatcher at the start state
     n_vocab: int
+    first_allowed: torch.Tensor     # (n_vocab,) bool: the start state's mask, computed at compile time
+    _worker: Executor               # the compiler's grammar thread
 
     def new_matcher(self) -> Matcher:
-        return Matcher(self._template.deep_copy(), self.n_vocab)
+        return Matcher(self._template.deep_copy(), self.n_vocab, self.first_allowed, self._worker)
 
 
 class _VocabAdapter:
@@ -178,6 +222,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Constraint] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
+        # every matcher's masks after the first are computed here, off the engine thread
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localrun-grammar")
 
     # --- the kinds of constraint ---------------------------------------------------------
     def from_options(self, json_schema=None, grammar: str | None = None) -> Constraint | None:
@@ -198,6 +244,7 @@ class GrammarCompiler:
         check_schema(schema, field)
         # not sorted: properties come out in the order the schema gives them
         key = json.dumps(schema, separators=(",", ":"))
+        check_size(key, field)
         return self._compiled("json_schema", key, field,
                               lambda: self._ll.LLMatcher.grammar_from_json_schema(
                                   key, defaults={"whitespace_flexible": False}))
@@ -210,14 +257,16 @@ class GrammarCompiler:
         """A grammar in llama.cpp's GBNF (or Lark, which llguidance reads natively)."""
         if not isinstance(text, str) or not text.strip():
             raise GrammarError(field, f"{field} must be a non-empty grammar (GBNF or Lark)")
+        check_size(text, field)
         from llguidance.gbnf_to_lark import any_to_lark
         try:
             lark = any_to_lark(text)
         except Exception as e:      # noqa: BLE001 - the converter's parse errors are the user's
-            raise GrammarError(field, f"{field} does not parse as GBNF: {e}") from None
+            raise GrammarError(field, f"{field} does not parse as GBNF: {_short(e, 200)}") from None
         return self.lark(lark, field, kind="grammar")
 
     def lark(self, lark: str, field: str, kind: str = "lark") -> Constraint:
+        check_repetitions(lark, field)
         return self._compiled(kind, lark, field, lambda: self._ll.LLMatcher.grammar_from_lark(lark))
 
     # --- compiling, cached -----------------------------------------------------------------
@@ -234,14 +283,21 @@ class GrammarCompiler:
         try:
             grammar = build()
         except Exception as e:      # noqa: BLE001 - a schema llguidance cannot read
-            raise GrammarError(field, f"{field} cannot be compiled: {e}") from None
+            raise GrammarError(field, f"{field} cannot be compiled: {_reason(e)}") from None
         is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error or messages:    # a warning means part of it would not be enforced: refuse
-            raise GrammarError(field, f"{field} cannot be enforced: {_short(messages[0] if messages else '')}")
-        template = self._ll.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            raise GrammarError(field, f"{field} cannot be enforced: {_reason(messages[0] if messages else '')}")
+        limits = self._ll.LLParserLimits(verbose_errors=False)     # errors without the grammar's text
+        template = self._ll.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
         if template.is_error():
-            raise GrammarError(field, f"{field} cannot be enforced: {_short(template.get_error())}")
-        constraint = Constraint(kind, key, template, self.n_vocab)
+            raise GrammarError(field, f"{field} cannot be enforced: {_reason(template.get_error())}")
+        try:    # the start state's mask: errors that only show at the first token show here
+            first_allowed = compute_allowed(template, self.n_vocab)
+        except RuntimeError as e:
+            raise GrammarError(field, f"{field} cannot be enforced: {_reason(e)}") from None
+        if not first_allowed.any():
+            raise GrammarError(field, f"{field} cannot be enforced: {_NO_START}")
+        constraint = Constraint(kind, key, template, self.n_vocab, first_allowed, self._worker)
         with self._lock:
             self._cache[(kind, key)] = constraint
             self.num_compiled += 1
@@ -250,6 +306,40 @@ class GrammarCompiler:
         return constraint
 
 
-def _short(message: str, limit: int = 300) -> str:
+def check_repetitions(lark: str, field: str) -> None:
+    """Refuse a repetition count over MAX_REPETITION (outside string literals; inside regexes too)."""
+    for match in _REPETITION.finditer(_QUOTED.sub('""', lark)):
+        count = max(int(n) for n in match.groups() if n)
+        if count > MAX_REPETITION:
+            raise GrammarError(field, f"{field} repeats an item {count:,} times; the limit is {MAX_REPETITION:,}")
+
+
+def check_size(text: str, field: str) -> None:
+    size = len(text.encode("utf-8", errors="replace"))
+    if size > MAX_SOURCE_BYTES:
+        raise GrammarError(field, f"{field} is {size:,} bytes; the limit is {MAX_SOURCE_BYTES:,}")
+
+
+_NO_START = "no text can start it (a rule that refers only to itself, or to rules that never reach any text)"
+# llguidance's error codes and phrases, as one sentence a client can act on
+_REASONS = (("NoExtensionBias", _NO_START),
+            ("too many expressions", "it is too large or too repetitive to enforce"),
+            ("max_items_in_row", "a rule has too many alternatives"),
+            ("Earley", "it is too ambiguous to enforce (too many alternatives at one point)"),
+            ("grammar size", "it is too large to enforce"),
+            ("fuel", "it is too costly to enforce (a pattern or repetition too large)"))
+
+
+def _reason(message) -> str:
+    """llguidance's message as our sentence: a known cause named, else its first line, short."""
+    text = str(message)
+    for needle, reason in _REASONS:
+        if needle.lower() in text.lower():
+            return reason
+    first = next((line for line in text.splitlines() if line.strip() and "non-verbose" not in line), "")
+    return _short(first, 200) or "llguidance refused it"
+
+
+def _short(message, limit: int = 300) -> str:
     message = " ".join(str(message).split())
     return message if len(message) <= limit else message[:limit] + "..."

@@ -76,13 +76,22 @@ class SamplerState:
         return list(recent[self.num_prompt_tokens:])
 
     def sync(self, recent) -> None:
-        """Feed the matcher the output tokens it has not seen (sampled since the last call)."""
+        """Hand the matcher the output tokens it has not seen (sampled since the last call): it
+        consumes them and computes the next mask on the grammar thread (grammar.Matcher)."""
         if self.matcher is None:
             return
         new = self.output(recent)[self.num_consumed:]
-        for token_id in new:
-            self.matcher.consume(token_id)
-        self.num_consumed += len(new)
+        if new:
+            self.matcher.advance(new)
+            self.num_consumed += len(new)
+
+    def ready(self) -> bool:
+        """Nothing to wait for before this sequence's next token can be sampled."""
+        return self.matcher is None or self.matcher.ready()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.matcher is not None:
+            self.matcher.wait(timeout)
 
     def take_logprob(self) -> TokenLogprob | None:
         return self.logprobs.pop(0) if self.logprobs else None
@@ -111,9 +120,11 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
     """One token id from next-token logits (V,) float32. `recent`: the sequence's tokens so far
     (prompt and output), for the penalties and the grammar."""
     state = p.state
-    logits = _penalized(logits, p, recent)
-    if state is not None and state.matcher is not None:
+    grammar = state is not None and state.matcher is not None
+    if grammar:
         state.sync(recent)
+    logits = _penalized(logits, p, recent, ban_early=not (grammar and _grammar_must_end(p, recent)))
+    if grammar:
         logits = state.matcher.mask(logits)
     if p.greedy:
         token_id = argmax(logits)
@@ -146,10 +157,26 @@ def token_logprob(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
 
 
-def _penalized(logits: torch.Tensor, p: SamplingParams, recent) -> torch.Tensor:
+def _bans_early(p: SamplingParams, recent) -> bool:
+    """min_tokens still bans the end-of-generation tokens."""
     state = p.state
-    if (p.min_tokens and state is not None and state.banned_early
-            and len(recent) - state.num_prompt_tokens < p.min_tokens):
+    return bool(p.min_tokens and state is not None and state.banned_early
+                and len(recent) - state.num_prompt_tokens < p.min_tokens)
+
+
+def _grammar_must_end(p: SamplingParams, recent) -> bool:
+    """The grammar allows nothing but end-of-generation tokens that min_tokens still bans: the
+    grammar's end wins (a reply cannot hold both; without this every logit would be -inf)."""
+    if not _bans_early(p, recent):
+        return False
+    allowed = p.state.matcher.allowed().clone()
+    allowed[[t for t in p.state.banned_early if t < allowed.shape[0]]] = False
+    return not allowed.any()
+
+
+def _penalized(logits: torch.Tensor, p: SamplingParams, recent, ban_early: bool = True) -> torch.Tensor:
+    state = p.state
+    if ban_early and _bans_early(p, recent):
         logits = logits.index_fill(0, torch.tensor(state.banned_early, dtype=torch.long), float("-inf"))
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)

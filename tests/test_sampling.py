@@ -120,12 +120,19 @@ def test_sampling_frequencies_match_the_filtered_distribution():
 
 
 class _BanFirst:
-    """A grammar matcher's stand-in: bans token 0 (the logits' argmax below)."""
-    def consume(self, token_id):
+    """A grammar matcher's stand-in (grammar.Matcher's interface): bans token 0 (the logits'
+    argmax below), its masks always ready."""
+    def advance(self, token_ids):
         pass
 
+    def ready(self):
+        return True
+
+    def allowed(self):
+        return torch.tensor([False, True, True, True])
+
     def mask(self, logits):
-        return logits.index_fill(0, torch.tensor([0]), float("-inf"))
+        return logits.masked_fill(~self.allowed(), float("-inf"))
 
 
 @given(st.data())

@@ -308,10 +308,12 @@ requests = st.lists(st.tuples(st.integers(0, len(BASE)),                       #
 @given(requests=requests, block_size=st.sampled_from([2, 4]), num_blocks_extra=st.integers(0, 4),
        max_num_seqs=st.integers(1, 4), budget_extra=st.integers(0, 12), chunked=st.booleans(),
        policy=st.sampled_from(["fcfs", "cache_aware"]), reserve=st.sampled_from([0, 3, 12]),
-       watermark=st.sampled_from([0.0, 0.1]))
+       watermark=st.sampled_from([0.0, 0.1]), num_groups=st.sampled_from([0, 1, 2]))
 def test_every_request_finishes_once_with_its_solo_output(requests, block_size, num_blocks_extra,
                                                           max_num_seqs, budget_extra, chunked, policy,
-                                                          reserve, watermark):
+                                                          reserve, watermark, num_groups):
+    """num_groups > 0: the requests are the choices of that many client requests (seat shares,
+    fair_share.py, preempt and reorder them); 0: each request is its own."""
     max_model_len = 24
     bm = BlockManager(max_model_len // block_size + num_blocks_extra, block_size)
     budget = max_num_seqs + budget_extra if chunked else max_model_len
@@ -319,7 +321,8 @@ def test_every_request_finishes_once_with_its_solo_output(requests, block_size, 
                              enable_chunked_prefill=chunked, policy=policy, max_model_len=max_model_len,
                              output_reserve_tokens=reserve, watermark=watermark)
     scheduler, runner = Scheduler(config, bm, eos_token_ids=(EOS,)), FakeRunner(bm)
-    seqs = [Sequence(f"r{i}", BASE[:n] + tail or [1], Params(max_tokens=m, ignore_eos=ignore))
+    seqs = [Sequence(f"r{i}", BASE[:n] + tail or [1], Params(max_tokens=m, ignore_eos=ignore),
+                     group=f"g{i % num_groups}" if num_groups else "")
             for i, (n, tail, m, ignore, _, _) in enumerate(requests)]
     finished: list[Sequence] = []
     for step_index in range(500):

@@ -39,6 +39,7 @@ from localrun.sampling import InvalidSamplingParam, SamplerState, SamplingParams
 HOST_MEMORY_FRACTION = 0.25     # of available RAM, for layers on the CPU
 DEVICE_MEMORY_FRACTION = 0.5    # of free accelerator memory (the weights are already there)
 DISK_WRITE_SHARE = 0.1          # under load, without an ITL target: disk-cache writes per step, as a share of it
+GRAMMAR_WAIT_S = 0.005         # a step with every running sequence waiting for its grammar mask waits this long, at most
 
 
 class StepOutput(NamedTuple):
@@ -202,8 +203,10 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> Sequence:
-        """Queue a request; arrival_time is on the engine's clock (default: now)."""
+                    *, arrival_time: float | None = None, group: str | None = None) -> Sequence:
+        """Queue a request; arrival_time is on the engine's clock (default: now). Requests with
+        the same `group` (one client request's n choices) share one request's seats
+        (fair_share.py); by default each request is its own group."""
         params = params or SamplingParams()
         n_vocab = self.model.config.n_vocab
         bad = [t for t in prompt_ids if not 0 <= t < n_vocab]
@@ -222,7 +225,7 @@ class LLMEngine:
             banned_early = self.scheduler.eos_token_ids if params.min_tokens else ()  # with ignore_eos too
             params = dataclasses.replace(params, state=SamplerState(len(prompt_ids), matcher, banned_early),
                                          speculative=speculative)
-        seq = Sequence(request_id, prompt_ids, params, arrival_time)
+        seq = Sequence(request_id, prompt_ids, params, arrival_time, group=group or "")
         if params.max_tokens == 0:      # nothing to compute: done as soon as it arrives
             if seq.timeline.arrival is None:
                 seq.timeline.arrival = self.clock()
@@ -260,8 +263,12 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            assert not self.scheduler.has_unfinished(), "requests wait but nothing was scheduled"
-            self._set_tiers_busy(False)
+            waiting_on = [s.sampling_params.state for s in self.scheduler.running if not s.is_sampler_ready]
+            assert waiting_on or not self.scheduler.has_unfinished(), "requests wait but nothing was scheduled"
+            if waiting_on:      # every running sequence waits for its grammar: let one finish
+                waiting_on[0].wait(GRAMMAR_WAIT_S)
+            else:
+                self._set_tiers_busy(False)
             return outputs
         self._set_tiers_busy(True)
         start = time.perf_counter()
@@ -280,6 +287,10 @@ class LLMEngine:
             self._log_step(batch, start, execute_s)
         errors = self._finish_failed(batch, sampled)
         finished = self.scheduler.postprocess(batch, sampled)
+        for entry in batch.entries:     # start the next grammar masks now, off this thread
+            state = entry.seq.sampling_params.state if entry.seq.sampling_params is not None else None
+            if state is not None and entry.output_token_ids and not entry.seq.is_finished:
+                state.sync(entry.seq.token_ids)
         if self.speculator is not None:
             self.speculator.observe(batch, execute_s)
         for entry in batch.entries:     # a verify step may append several tokens: one output each

@@ -12,7 +12,11 @@ When a running sequence needs a block and none is free, the newest running seque
 is newer than it and not yet in this step's batch is preempted: its blocks are freed and it
 waits to be recomputed (its full blocks usually stay in the prefix cache, so recomputing is
 cheap). With no such victim, a decode preempts itself and a prefill takes a smaller chunk.
-No new request is admitted in a step that preempted.
+No new request is admitted in a step that preempted for blocks.
+
+Seats are shared between requests (fair_share.py): a waiting request below its share of
+`max_num_seqs` is admitted first, and when every seat is taken it gets one from the request
+furthest above its share (whose newest sequence is preempted).
 
 Admission reserves (`output_reserve_tokens`, `watermark`): while anything runs, a waiting
 sequence is admitted only if the free blocks cover its whole prompt and its next
@@ -39,6 +43,10 @@ the budget left after one token per decode, only the free blocks (they never pre
 never reach past the context length or max_tokens. postprocess() appends the accepted drafts
 and the token after them, and frees the slots the rejected ones took.
 
+Grammars: a decode whose grammar mask for its next token is still being computed (off the
+engine thread, grammar.Matcher) sits the step out, so one costly grammar never holds a step
+for everyone.
+
 The model runner consumes the `Batch` that `schedule()` returns, then hands the sampled
 tokens to `postprocess()`, which appends them, checks stop conditions and frees finished
 sequences.
@@ -52,6 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localrun.engine.block_manager import BlockManager, slot_mapping
+from localrun.engine.fair_share import seat_share, seat_victims, seats_held, under_share
 from localrun.engine.sequence import Sequence, SequenceStatus
 from localrun.engine.step_cost import attended_keys
 from localrun.errors import OptionError, UserError
@@ -284,6 +293,10 @@ class Scheduler:
         entries: list[BatchEntry] = []
         preempted: list[Sequence] = []
         scheduled: set[int] = set()   # arrival_index of the sequences in this batch
+        for victim in seat_victims(self.running, self.waiting, self.config.max_num_seqs):
+            self._preempt(victim)       # a seat for a request below its share (fair_share.py)
+            preempted.append(victim)
+        num_seat_preempted = len(preempted)
         decodes = [s for s in self.running if not s.is_prefill]
         prefills = [s for s in self.running if s.is_prefill]
         draft_budget = budget - len(decodes)    # what one token per decode leaves
@@ -291,6 +304,8 @@ class Scheduler:
             drafts, seq.draft_token_ids = seq.draft_token_ids, []
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
+            if not seq.is_prefill and not seq.is_sampler_ready:
+                continue     # its grammar mask is still being computed: the others go on
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
@@ -304,7 +319,7 @@ class Scheduler:
                 scheduled.add(seq.arrival_index)
                 budget -= num_new
                 draft_budget -= len(drafts)
-        if not preempted:    # blocks are short: let the running sequences finish first
+        if len(preempted) == num_seat_preempted:    # else blocks are short: let the running ones finish first
             self._admit_waiting(budget, entries)
         if entries:
             self.stats.num_steps += 1
@@ -379,6 +394,9 @@ class Scheduler:
         order = list(self.waiting)
         if self.config.policy == "cache_aware":
             order.sort(key=lambda s: (-block_manager.num_cached_prefix_tokens(s), s.arrival_index))
+        share = seat_share(self.config.max_num_seqs, self.running, self.waiting)
+        held = seats_held(self.running)
+        order.sort(key=lambda s: not under_share(s, held, share))    # stable: the policy's order within
         rest = iter(order)
         while len(self.running) < self.config.max_num_seqs and budget > 0:
             # an overdue sequence (passed max_bypass times) first, the oldest of them; else the
@@ -403,9 +421,10 @@ class Scheduler:
                     self.stats.num_admissions_deferred += 1
                     break
             self.waiting.remove(seq)
-            for other in self.waiting:
-                if other.arrival_index < seq.arrival_index:
+            for other in self.waiting:     # passed over: only a request below its share is owed a seat
+                if other.arrival_index < seq.arrival_index and under_share(other, held, share):
                     other.num_bypassed += 1
+            held[seq.group] += 1
             block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_index)

@@ -62,11 +62,13 @@ class Sequence:
     draft_probs: object = field(default=None, repr=False)  # (k, V) draft distribution; None: deterministic
     num_draft_tokens: int = 0             # drafted tokens the target verified, over the request
     num_accepted_tokens: int = 0          # of those, accepted
+    group: str = ""                       # the request it belongs to (n choices share one); default: request_id
 
     def __post_init__(self, arrival_time):
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
         self.timeline.arrival = arrival_time
+        self.group = self.group or self.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +98,13 @@ class Sequence:
     def is_prefill(self) -> bool:
         """More than one token to compute, or the prompt's own last token (no output yet)."""
         return self.num_uncomputed_tokens > 1 or self.num_generated_tokens == 0
+
+    @property
+    def is_sampler_ready(self) -> bool:
+        """Its next token can be sampled without waiting: False while its grammar's mask is
+        still being computed off the engine thread (the scheduler leaves it out of the step)."""
+        state = getattr(self.sampling_params, "state", None)
+        return state is None or state.ready()
 
     @property
     def is_finished(self) -> bool:

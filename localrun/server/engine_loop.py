@@ -61,6 +61,7 @@ class ServerRequest:
     text: RequestText | None = None
     last_token_at: float | None = None
     index: int = 0                 # its choice among the request's n (they may share `events`)
+    group: str | None = None       # the client request it is a choice of (its n choices share seats)
     queued: bool = True            # not yet scheduled by the engine (counts against max_queue)
 
     def put(self, event: Event) -> None:
@@ -197,7 +198,7 @@ class EngineLoop:
         request.text = self.frontend.request_text(request.params)
         try:
             self.engine.add_request(request.request_id, request.prompt_ids, request.params,
-                                    arrival_time=request.arrival)
+                                    arrival_time=request.arrival, group=request.group)
         except UserError as e:
             self._leave_queue(request)
             request.put(Event("error", message=str(e)))
