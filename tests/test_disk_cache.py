@@ -1,12 +1,13 @@
 """The disk tier of the prefix cache on the tiny synthetic model: a restart in a new process
 reuses the prefix and gives the same greedy output as computing it; corrupt files are ignored;
-blocks never cross models or KV layouts; the size bound holds; writes stay off the request path.
-The reference for every output is the same prompt run with no disk cache."""
+blocks never cross models or KV layouts; the size bound holds; writes stay off the request path;
+a stats file that is not what we write counts as zero, is said once, and is rewritten. The reference for every output is the same prompt run with no disk cache."""
 from __future__ import annotations
 
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -14,13 +15,15 @@ import time
 import warnings
 from pathlib import Path
 
+import httpx
 import pytest
 
 from localrun.api import LLM
-from localrun.engine import disk_cache, llm_engine
+from localrun.engine import disk_cache, disk_files, llm_engine
 from localrun.engine.disk_cache import SUFFIX, DiskCacheConfig, model_fingerprint
 from localrun.engine.sequence import Sequence
 from localrun.errors import UserError
+from server_harness import free_port, wait_until
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -104,7 +107,7 @@ def test_engine_stats_and_persistent_counts(model_path, tmp_path):
     stats = llm.engine.stats()
     assert stats["disk_cache_hit_tokens"] == 192 and stats["disk_cache_loaded_blocks"] == 12
     assert stats["disk_cache_bytes"] == sum(p.stat().st_size for p in block_files(tmp_path / "kv"))
-    totals = disk_cache.load_stats(tmp_path / "kv")
+    totals = disk_files.load_stats(tmp_path / "kv")
     assert totals["num_loaded_blocks"] == 12 and totals["num_written_blocks"] == 13
 
 
@@ -447,6 +450,124 @@ def test_cache_command_never_imports_torch(tmp_path):
     for args in (["cache", "--cache-dir", str(tmp_path), "--json"], ["cache", "clear", "--cache-dir", str(tmp_path)]):
         proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "False", (proc.stdout, proc.stderr)
+
+
+# --- the stats file as untrusted input (issue 76) ---------------------------------------------
+
+BAD_STATS = [
+    ("a string count", b'{"num_loaded_blocks": "12"}', """'num_loaded_blocks' is "12", not a count >= 0"""),
+    ("a negative count", b'{"num_written_blocks": -1}', "'num_written_blocks' is -1, not a count >= 0"),
+    ("a float count", b'{"num_written_blocks": 1.5}', "'num_written_blocks' is 1.5, not a count >= 0"),
+    ("a boolean count", b'{"num_corrupt": true}', "'num_corrupt' is true, not a count >= 0"),
+    ("a count past 2**63", b'{"num_loaded_bytes": 9223372036854775808}', "'num_loaded_bytes' is 9223372036854775808"),
+    ("a null count", b'{"num_evicted_files": null}', "'num_evicted_files' is null"),
+    ("NaN seconds", b'{"load_s": NaN}', "'load_s' is NaN, not a number of seconds >= 0"),
+    ("infinite seconds", b'{"window_s": -Infinity}', "'window_s' is -Infinity"),
+    ("an object count", b'{"num_write_drops": {"a": 1}}', "'num_write_drops' is {\"a\": 1}"),
+    ("a list", b"[1, 2]", "it is not a JSON object"),
+    ("null", b"null", "it is not a JSON object"),
+    ("a string", b'"stats"', "it is not a JSON object"),
+    ("empty", b"", "it is not valid JSON"),
+    ("truncated", b'{"num_loaded_blocks": 1', "it is not valid JSON"),
+    ("not UTF-8", b'{"num_loaded_blocks": 1, "\xff": 2}', "it is not valid JSON"),
+    ("a 5000-digit count", b'{"num_loaded_blocks": ' + b"9" * 5000 + b"}", "it is not valid JSON"),
+    ("deep nesting", b"[" * 30_000 + b"]" * 30_000, "it is not valid JSON"),
+    ("huge", b'{"num_loaded_blocks": 1}' + b" " * (1 << 20), "it is not a regular file of at most 65,536 bytes"),
+]
+
+
+@pytest.mark.parametrize("name,content,why", BAD_STATS, ids=[b[0] for b in BAD_STATS])
+def test_a_bad_stats_file_reads_as_zero_counts_and_one_sentence(tmp_path, name, content, why):
+    (tmp_path / "stats.json").write_bytes(content)
+    counts, problem = disk_files.read_stats(tmp_path)
+    assert counts == {} and disk_files.load_stats(tmp_path) == {}
+    assert problem.startswith(f"ignoring the KV cache stats file {tmp_path / 'stats.json'} ({why}"), problem
+    assert problem.endswith("); its counts start again from zero") and "\n" not in problem
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "endless", "unreadable"])
+def test_a_stats_path_that_is_no_small_file_never_blocks_or_raises(tmp_path, kind):
+    path = tmp_path / "stats.json"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)                     # opening it to read would wait for a writer forever
+    elif kind == "endless":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_text("{}")
+        path.chmod(0)
+        if os.access(path, os.R_OK):
+            pytest.skip("running as root: every file is readable")
+    counts, problem = disk_files.read_stats(tmp_path)
+    assert counts == {} and problem is not None and str(path) in problem
+    assert disk_files.summarize(tmp_path)["stats"] == {}
+
+
+def test_a_good_stats_file_keeps_its_counts_and_drops_unknown_keys(tmp_path):
+    (tmp_path / "stats.json").write_text('{"num_loaded_blocks": 3, "load_s": 0.25, "window_s": 2, "future": "x"}')
+    assert disk_files.read_stats(tmp_path) == ({"num_loaded_blocks": 3, "load_s": 0.25, "window_s": 2}, None)
+
+
+def test_a_bad_stats_file_is_rewritten_with_this_processs_counts(model_path, tmp_path, caplog):
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "stats.json").write_text('{"num_loaded_blocks": "12", "num_written_blocks": 100}')
+    with caplog.at_level("WARNING", logger="localrun.engine.disk_cache"):
+        run(make_llm(model_path, tmp_path / "kv"))            # 200 + 11 tokens in KV: 13 blocks of 16 written
+    counts, problem = disk_files.read_stats(tmp_path / "kv")
+    assert problem is None
+    assert counts["num_written_blocks"] == 13 and counts["num_loaded_blocks"] == 0
+    assert [r.getMessage() for r in caplog.records if "stats file" in r.getMessage()] == [
+        f"ignoring the KV cache stats file {tmp_path / 'kv' / 'stats.json'} ('num_loaded_blocks' is \"12\", "
+        "not a count >= 0); its counts start again from zero"]
+
+
+def test_cli_cache_with_a_bad_stats_file_warns_and_shows_zero(tmp_path):
+    (tmp_path / "stats.json").write_text('{"num_loaded_blocks": "12"}')      # issue 76's reproduction
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "localrun.cli", "cache", "--cache-dir", str(tmp_path), *args],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert " ".join(proc.stderr.split()).startswith("warning: ignoring the KV cache stats file"), proc.stderr
+        return proc.stdout
+
+    assert "loaded 0 blocks (0 B), written 0" in cli()
+    shown = json.loads(cli("--json"))
+    assert shown["stats"] == {} and "'num_loaded_blocks' is \"12\"" in shown["stats_warning"]
+
+
+def test_a_server_on_a_bad_stats_file_stops_cleanly_on_sigterm(model_path, tmp_path):
+    """Issue 76: the server's close() added its counts to a string and exited 1 with a traceback."""
+    cache = tmp_path / "kv"
+    cache.mkdir()
+    (cache / "stats.json").write_text('{"num_written_blocks": "many"}')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "localrun.cli", "serve", str(model_path), "--port", str(port),
+                             "--threads", "1", "--ctx", "1024", "--cache-dir", str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def up():
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        assert wait_until(lambda: up() or proc.poll() is not None, timeout=60) and proc.poll() is None
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={           # 40 + 3 tokens in KV: 2 blocks of 16
+            "prompt": random_ids(40, seed=2), "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in output, output
+    assert "ignoring the KV cache stats file" in output
+    counts, problem = disk_files.read_stats(cache)
+    assert problem is None and counts["num_written_blocks"] == 2 and counts["num_loaded_blocks"] == 0
 
 
 # --- the real model: a 1,500-token prompt across two processes ------------------------------

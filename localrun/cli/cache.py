@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from layerplan.units import format_bytes
@@ -15,6 +16,7 @@ from layerplan.units import format_bytes
 cache_app = typer.Typer(add_completion=False, invoke_without_command=True,
                         help="Show the disk KV cache (prefix blocks kept across restarts), or clear it.")
 out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
 
 CacheDirOpt = typer.Option(None, "--cache-dir", help="The disk KV cache directory "
                            "(default: $LOCALRUN_HOME/kv-cache).")
@@ -33,6 +35,8 @@ def show(ctx: typer.Context, cache_dir: Optional[str] = CacheDirOpt,
         return
     from localrun.engine.disk_files import summarize
     summary = summarize(cache_root(cache_dir))
+    if "stats_warning" in summary:         # a stats file not to be trusted: zero counts, said once
+        err.print(f"[yellow]warning: {escape(summary['stats_warning'])}[/yellow]", soft_wrap=True)
     if as_json:
         out.print_json(json.dumps(summary))
         return

@@ -33,7 +33,8 @@ index is built by one directory scan at start; a block another process wrote lat
 found (a miss checks the file system), but each process enforces the bound on the files it
 knows of, so processes sharing a directory can overshoot it until one of them restarts.
 Hit and write counts are added to `<root>/stats.json` when the cache is flushed
-(read-modify-write: concurrent processes may lose a few counts).
+(read-modify-write: concurrent processes may lose a few counts); a stats file that is not
+what this code writes is ignored with a warning and rewritten (disk_files.read_stats).
 
 Reads are on the request's path (the engine loads a waiting request's prefix before admitting
 it): one file read, a CRC and a copy into the pool per block, an order of magnitude less than
@@ -59,7 +60,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from localrun.engine.disk_files import STATS_FILE, SUFFIX, load_stats, scan, write_atomic
+from localrun.engine.disk_files import STATS_FILE, SUFFIX, DiskCacheStats, read_stats, scan, write_atomic
 from localrun.engine.paged_kv import PagedKVCache
 
 FORMAT = "localrun-kv-block-1"
@@ -140,22 +141,6 @@ def read_metadata(raw: bytes) -> dict[str, str]:
     if length > len(raw) - 8:
         raise ValueError("header runs past the end of the file")
     return json.loads(raw[8:8 + length]).get("__metadata__") or {}
-
-
-@dataclass
-class DiskCacheStats:
-    num_loaded_blocks: int = 0      # blocks copied from disk into the pool
-    num_loaded_bytes: int = 0
-    num_written_blocks: int = 0
-    num_written_bytes: int = 0
-    num_write_drops: int = 0        # not written: the queue was full
-    window_s: float = 0.0           # time the busy engine gave the writer between steps (write_window)
-    num_corrupt: int = 0            # files found unusable and deleted
-    num_evicted_files: int = 0      # deleted to keep the size bound
-    load_s: float = 0.0             # time spent loading (on the request's path)
-
-    def as_dict(self) -> dict[str, int | float]:
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -285,7 +270,9 @@ class BlockFiles:
         if not any(delta.values()):
             return
         try:
-            totals = load_stats(self.root)
+            totals, problem = read_stats(self.root)
+            if problem is not None:           # rewritten below with this process's counts only
+                log.warning("%s", problem)
             for k, v in delta.items():
                 totals[k] = totals.get(k, 0) + v
             write_atomic(self.root / STATS_FILE, json.dumps(totals, indent=1).encode())
