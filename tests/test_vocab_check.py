@@ -4,6 +4,8 @@ abort" is llama.cpp itself, run on the same file in a forked child (tests/vocab_
 from __future__ import annotations
 
 import os
+import resource
+import socket
 import subprocess
 import sys
 
@@ -128,23 +130,35 @@ def test_texts_are_read_as_c_strings():
     assert as_llama_reads(b"<0x41>", 7) == b"<0x41>"
 
 
-def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "localrun.cli", *args], capture_output=True, text=True, timeout=120)
+def run_cli(*commands: list[str]) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each `localrun` command, run side by side."""
+    procs = [subprocess.Popen([sys.executable, "-m", "localrun.cli", *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    results = []
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        results.append((proc.returncode, stderr))
+    return results
 
 
 @pytest.mark.parametrize("metadata,fragment", [
     ({TOKENS: (lambda t: t[:300] + ["a\x00b"] + t[301:])(tiny_bpe_vocab(320)[0])}, "lists the token 'a' twice"),
     ({"tokenizer.ggml.model": "llama"}, "lacks the byte token <0x00>"),
 ], ids=["nul-inside-token", "gpt2-changed-to-llama"])
-def test_issue_cases_through_info_and_generate(tmp_path, metadata, fragment):
-    """The two files of issue 76, full models: `info` and `generate` exit 2 with one sentence."""
+def test_issue_cases_through_info_generate_and_serve(tmp_path, metadata, fragment):
+    """The two files of issue 76, full models: `info`, `generate` and `serve` (which refuses to
+    start) exit 2 with one sentence."""
     path = write_tiny_llama(tmp_path / "model.gguf", tensor_type="F32", n_layers=1, n_embd=64, n_head=2,
                             n_head_kv=1, n_ff=128, metadata=metadata)
-    for args in (["info", str(path)], ["generate", str(path), "-p", "hello world", "-n", "2"]):
-        proc = run_cli(*args)
-        assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
-        assert fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-        assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    commands = [["info", str(path)], ["generate", str(path), "-p", "hello world", "-n", "2"],
+                ["serve", str(path), "--port", str(port)]]
+    for args, (code, stderr) in zip(commands, run_cli(*commands)):
+        assert code == 2, (args, code, stderr)
+        assert fragment in stderr and "Traceback" not in stderr, stderr
+        assert stderr.strip().startswith("error:") and len(stderr.strip().splitlines()) == 1, stderr
 
 
 def test_a_native_abort_during_the_load_still_says_why(tmp_path):
@@ -153,8 +167,9 @@ def test_a_native_abort_during_the_load_still_says_why(tmp_path):
     path = write_vocab_gguf(tmp_path / "nul.gguf", with_tokens(BPE, **{"300": "a\x00b"}))
     code = ("import localrun.tokenizer as t; t.check_vocabulary = lambda header: None; "
             f"t.Tokenizer({str(path)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))   # no core file
     assert proc.returncode < 0, (proc.returncode, proc.stderr)
     assert "GGML_ASSERT(id_to_token.size() == token_to_id.size())" in proc.stderr, proc.stderr
 
@@ -169,3 +184,15 @@ def test_a_lone_surrogate_is_one_sentence(tmp_path):
     tok = Tokenizer(write_vocab_gguf(tmp_path / "bpe.gguf", BPE))
     with pytest.raises(UserError, match="not valid Unicode"):
         tok.encode("a\ud800b")
+
+
+@pytest.mark.parametrize("keys,name", [({"tokenizer.ggml.add_bos_token": True}, "BOS"),
+                                       ({"tokenizer.ggml.add_eos_token": True}, "EOS")])
+def test_the_loaded_vocabulary_is_asked_too(tmp_path, monkeypatch, keys, name):
+    """Past the header check (here switched off), the Tokenizer asks llama.cpp's loaded
+    vocabulary whether it adds a BOS/EOS token it lacks, before any text reaches llama_tokenize."""
+    import localrun.tokenizer
+    monkeypatch.setattr(localrun.tokenizer, "check_vocabulary", lambda header: None)
+    path = write_vocab_gguf(tmp_path / "small.gguf", drop_none(small_bpe(**keys)))
+    with pytest.raises(UserError, match=f"the vocabulary has no {name} token, yet llama.cpp is to add one"):
+        Tokenizer(path)
