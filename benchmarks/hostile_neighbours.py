@@ -7,7 +7,8 @@ hostile request, sent just before the victim:
 - `const`: a chat whose JSON schema is one `const` string of --const-bytes (under the size
   bound: it is enforced, each of its masks costly);
 - `const_over`: the same at 500 KB (over the bound: refused at the door);
-- `messages`: a chat body of 20,000 short messages (~800 KB);
+- `messages`: a chat body of 20,000 short messages (~800 KB; over the bound: refused);
+- `messages_2k`: 2,000 of them (the most a request may hold): rendered, turns dropped to fit;
 - `n16`: a chat with n=16 and no max_tokens;
 plus a small chat (one token) sent while each hostile request is being handled: its latency
 shows what preparation and seats cost a cheap request.
@@ -52,6 +53,12 @@ def gap_summary(gaps: list[float]) -> dict:
             "gap_max_ms": round(ordered[-1] * 1000, 2), "num_gaps": len(ordered)}
 
 
+def messages(n: int) -> dict:
+    return {"model": "x", "max_tokens": 8,
+            "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i} hello there"}
+                         for i in range(n)]}
+
+
 def hostile_bodies(const_bytes: int) -> dict[str, dict]:
     def schema(n):
         return {"model": "x", "max_tokens": 64, "messages": [{"role": "user", "content": "Say it."}],
@@ -60,9 +67,8 @@ def hostile_bodies(const_bytes: int) -> dict[str, dict]:
     return {
         "const": schema(const_bytes),
         "const_over": schema(500_000),
-        "messages": {"model": "x", "max_tokens": 8,
-                     "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i} hello there"}
-                                  for i in range(20_000)]},
+        "messages": messages(20_000),
+        "messages_2k": messages(2_000),
         "n16": {"model": "x", "n": 16, "messages": [{"role": "user", "content": "Tell me a long story."}],
                 "temperature": 1.0},
     }
@@ -109,7 +115,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--victim-tokens", type=int, default=200)
     ap.add_argument("--const-bytes", type=int, default=100_000)
-    ap.add_argument("--scenarios", default="const,const_over,messages,n16")
+    ap.add_argument("--scenarios", default="const,const_over,messages,messages_2k,n16")
     args = ap.parse_args()
     times = cpu_times()
     rows = []
