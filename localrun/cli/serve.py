@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -21,6 +22,7 @@ from localrun.server import DEFAULT_MAX_QUEUE
 
 err = Console(stderr=True, highlight=False)
 
+API_KEY_ENV = "LOCALRUN_API_KEY"
 DEFAULT_BATCHED_TOKENS = 512    # serve's step budget: a prompt chunk that keeps running decodes moving
 
 
@@ -44,23 +46,40 @@ def check_port_free(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def check_api_key(api_key: str | None, from_env: bool) -> None:
+    """A key that cannot work (server.guard.api_key_problem) is refused at start, naming where it
+    came from. click reads an empty LOCALRUN_API_KEY as unset: that must not start a server
+    without authentication either."""
+    from localrun.server.guard import api_key_problem
+    if api_key is None:
+        if os.environ.get(API_KEY_ENV) is not None:
+            raise UserError(f"{API_KEY_ENV} is set but empty (an empty key would let every request in); "
+                            "give a key or unset it")
+        return
+    problem = api_key_problem(api_key)
+    if problem is not None and from_env:
+        raise UserError(f"{API_KEY_ENV} {problem}; give another key or unset it")
+    if problem is not None:
+        raise UserError(f"--api-key {problem}; give another key or leave the option out")
+
+
 def access_policy(host: str, origins: list[str], hosts: list[str]):
     """The Host/Origin policy (server.guard): loopback Host names only while bound to loopback."""
-    from localrun.server.guard import AccessPolicy
+    from localrun.server.guard import AccessPolicy, parse_host
     for origin in origins:
         if origin != "*" and not origin.startswith(("http://", "https://")):
             raise UserError(f"--allow-origin takes an origin such as http://localhost:3000 or '*', got '{origin}'")
     for name in hosts:
-        if not name or "/" in name:
+        if name != "*" and parse_host(name) is None:
             raise UserError(f"--allow-host takes a host name such as myhost.lan or '*', got '{name}'")
     return AccessPolicy(allowed_hosts=tuple(hosts), allowed_origins=tuple(origins),
-                        check_host=is_loopback(host))
+                        check_host=is_loopback(host), scheme="http")     # uvicorn runs without TLS here
 
 
-def serve(model: Optional[str] = ModelArg,
+def serve(command: typer.Context, model: Optional[str] = ModelArg,
           host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
           port: int = typer.Option(8080, "--port", help="TCP port."),
-          api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LOCALRUN_API_KEY",
+          api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV,
                                                 help="Require 'Authorization: Bearer KEY' on every route but /health."),
           parallel: int = ParallelOpt, ctx: Optional[int] = CtxOpt, threads: Optional[int] = ThreadsOpt,
           kv_type: Optional[str] = KvTypeOpt, max_batched_tokens: Optional[int] = MaxBatchedTokensOpt,
@@ -95,9 +114,7 @@ def serve(model: Optional[str] = ModelArg,
         raise UserError(f"--max-queue must be at least 1, got {max_queue}")
     if log_level not in ("debug", "info", "warning", "error"):
         raise UserError(f"--log-level must be debug, info, warning or error, got '{log_level}'")
-    if api_key is not None and not api_key.strip():
-        raise UserError("--api-key must not be empty (an empty key would let every request in); "
-                        "give a key or leave the option out")
+    check_api_key(api_key, from_env=command.get_parameter_source("api_key").name == "ENVIRONMENT")
     access = access_policy(host, allow_origin or [], allow_host or [])
     if not is_loopback(host) and not api_key:
         err.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who can reach "

@@ -71,8 +71,9 @@ class ServerConfig:
     max_queue: int | None = DEFAULT_MAX_QUEUE    # queued requests past which a new one gets 503; None: no bound
 
     def __post_init__(self):
-        if self.api_key is not None and not self.api_key:
-            raise UserError("the API key must not be empty; give a key or none")
+        from localrun.server.guard import api_key_problem     # which keys can work over HTTP at all
+        if self.api_key is not None and (problem := api_key_problem(self.api_key)):
+            raise UserError(f"the API key {problem}; give another key or none")
 
 
 @dataclass

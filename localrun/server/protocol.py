@@ -2,9 +2,11 @@
 
 Bodies are decoded within limits (json_body), checked for fields we cannot honour, then
 validated with pydantic; any failure becomes an `APIError` whose `body()` is the OpenAI error
-object `{"error": {"message", "type", "param", "code"}}`. Every OpenAI field we do not
-implement (best_of > 1, functions, audio, ...) is refused with a 400 naming it when it asks
-for something, rather than silently ignored; a field at its no-op value (best_of: 1) passes.
+object `{"error": {"message", "type", "param", "code"}}`, its `code` always a string (the
+status's name in DEFAULT_CODES where the raiser gives none), so clients can branch on it.
+Every OpenAI field we do not implement (best_of > 1, functions, audio, ...) is refused with a
+400 naming it when it asks for something, rather than silently ignored; a field at its no-op
+value (best_of: 1) passes.
 Fields no one defines are ignored, as OpenAI-compatible servers do. Sampling ranges are
 checked by SamplingParams, the same rule as the Python API's; schemas and grammars by
 localrun.grammar (failing closed), tools by localrun.tools.
@@ -19,12 +21,23 @@ from localrun.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 16      # choices per request: each is a sequence in the engine (one prefill, n decodes)
 
+# An error's code when its raiser names none: OpenAI's and llama.cpp's words where they have one
+DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "request_too_large",
+                 415: "unsupported_media_type", 422: "invalid_request", 429: "rate_limit_exceeded",
+                 500: "internal_error", 501: "not_implemented", 503: "unavailable", 504: "timeout"}
+
+
+def default_code(status: int) -> str:
+    return DEFAULT_CODES.get(status, "invalid_request" if status < 500 else "internal_error")
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code if code is not None else default_code(status)
         self.headers = headers    # e.g. Retry-After on a 503
 
     def body(self) -> dict:
@@ -101,8 +114,11 @@ class _Sampling(_Body):
         if any(not s for s in stops):
             raise APIError(400, "stop sequences must not be empty", param="stop")
 
-    def sampling_kwargs(self) -> dict:
-        """The SamplingParams fields the client set (others keep localrun's defaults)."""
+    def sampling_kwargs(self, n_ctx: int | None = None) -> dict:
+        """The SamplingParams fields the client set (others keep localrun's defaults). With
+        n_ctx, also max_tokens as the request bounds it before its prompt is known (what it
+        asked for, else the whole context): what the door checks min_tokens against, rather
+        than SamplingParams' default."""
         out = {k: v for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
                               "presence_penalty", "frequency_penalty", "min_tokens")
                if (v := getattr(self, k)) is not None}
@@ -113,7 +129,14 @@ class _Sampling(_Body):
         if self.logit_bias:
             out["logit_bias"] = tuple((token_id(key), value) for key, value in self.logit_bias.items())
         out["ignore_eos"] = self.ignore_eos
+        if n_ctx is not None:
+            requested = self.requested_max_tokens()
+            out["max_tokens"] = requested if requested is not None else n_ctx
         return out
+
+    def requested_max_tokens(self) -> int | None:
+        """The reply's bound the client asked for (None: as much as the context leaves)."""
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
