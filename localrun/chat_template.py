@@ -2,9 +2,10 @@
 Hugging Face's tokenizers render them (sandboxed, trim_blocks, lstrip_blocks), within limits
 of time, size and recursion (localrun/template_sandbox.py): the template comes from a file.
 
-`check_template` runs at load: a template that does not compile, breaks a limit on sample
-conversations, or fails on all of them is refused with one sentence, and the built-in
-ChatML template is used instead."""
+`check_template` runs on first use: a template over the size bounds, that does not compile,
+breaks a limit on sample conversations, fails on all of them or renders them all as nothing is
+refused with one sentence, and the built-in ChatML template is used instead. `size_refusal`
+is the part a header reader may ask (`localrun info`): the length alone, nothing compiled."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -13,7 +14,8 @@ from functools import lru_cache
 import jinja2
 
 from localrun.errors import UserError
-from localrun.template_sandbox import BoundedEnvironment, Limits, TemplateLimitError, compile_template, render_bounded
+from localrun.template_sandbox import (BoundedEnvironment, Limits, TemplateLimitError, check_size, compile_template,
+                                       one_line, render_bounded)
 
 # used when a GGUF carries no template
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -55,39 +57,54 @@ SAMPLE_CONVERSATIONS = (
 )
 
 
-@lru_cache(maxsize=8)
-def _environment(max_chars: int) -> BoundedEnvironment:
-    env = BoundedEnvironment(max_chars)
+@lru_cache(maxsize=1)
+def _environment() -> BoundedEnvironment:
+    env = BoundedEnvironment()
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
 
 
 @lru_cache(maxsize=8)
-def _compile(source: str, max_chars: int) -> jinja2.Template:
-    return compile_template(_environment(max_chars), source)
+def _compile(source: str) -> jinja2.Template:
+    """Compiled once, rendered under any Limits (the environment reads the render's)."""
+    return compile_template(_environment(), source)
+
+
+def size_refusal(source: str) -> str | None:
+    """Why `source` is refused by its length alone, else None (check_template's sentence; it
+    neither lexes nor compiles, so a header reader can ask)."""
+    try:
+        check_size(source)
+    except TemplateLimitError as e:
+        return f"the model's chat template is refused: {e}"
+    return None
 
 
 @lru_cache(maxsize=8)
 def check_template(source: str) -> str | None:
     """None if `source` is a usable chat template, else one sentence saying why it is refused."""
     try:
-        template = _compile(source, LOAD_LIMITS.max_chars)
+        template = _compile(source)
     except TemplateLimitError as e:
         return f"the model's chat template is refused: {e}"
     except jinja2.exceptions.TemplateSyntaxError as e:
-        return f"the model's chat template has a syntax error (line {e.lineno}: {e.message})"
-    failures = []
+        return f"the model's chat template has a syntax error (line {e.lineno}: {one_line(e.message)})"
+    failures, num_empty = [], 0
     for messages in SAMPLE_CONVERSATIONS:
         try:
-            render_bounded(template, LOAD_LIMITS, messages=messages, add_generation_prompt=True,
-                           bos_token="<s>", eos_token="</s>")
+            text = render_bounded(template, LOAD_LIMITS, messages=messages, add_generation_prompt=True,
+                                  bos_token="<s>", eos_token="</s>")
         except TemplateLimitError as e:
             return f"the model's chat template is refused: {e}"
         except Exception as e:   # raise_exception() or a template bug: judged over all samples
-            failures.append(f"{type(e).__name__}: {e}")
+            failures.append(f"{type(e).__name__}: {one_line(str(e))}")
+        else:
+            num_empty += not text.strip()
     if len(failures) == len(SAMPLE_CONVERSATIONS):
         return f"the model's chat template fails on every sample conversation ({failures[0]})"
+    if num_empty + len(failures) == len(SAMPLE_CONVERSATIONS):
+        return "the model's chat template renders every sample conversation as an empty prompt"
     return None
 
 
@@ -121,7 +138,7 @@ def render_chat(template: str | None, messages, *, bos_token: str = "", eos_toke
     if template is not None and check_template(template):
         template = None
     try:
-        compiled = _compile(template or CHATML, limits.max_chars)
+        compiled = _compile(template or CHATML)
         extra = {"tools": tools} if tools is not None else {}     # OpenAI tools, as HF templates take them
         return render_bounded(compiled, limits, messages=messages, add_generation_prompt=add_generation_prompt,
                               bos_token=bos_token, eos_token=eos_token, **extra)

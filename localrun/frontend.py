@@ -124,6 +124,9 @@ class FrontEnd:
 
         kept, dropped = fit_messages(messages, count, self.n_ctx, min(max_tokens, self.n_ctx // 2), target=target)
         count(kept)      # fit_messages saw it fit: shorter than the context, with room for the reply
+        if not rendered[len(kept)]:      # a template that leaves these messages out (the engine refuses no tokens)
+            raise UserError("the model's chat template renders these messages as an empty prompt; "
+                            "give a message with text")
         return ChatPrompt(rendered[len(kept)], kept, dropped)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

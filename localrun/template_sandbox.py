@@ -7,12 +7,16 @@ jinja2's ImmutableSandboxedEnvironment stops attribute tricks but not resource u
 - the total size of values built in one render is bounded (`BUDGET_FACTOR * max_chars`);
 - a wall-clock limit and a recursion cap are enforced by a trace function on template code
   only (this thread, this render), so loops and macros stop within the limit;
-- the output is bounded as it is produced; include/import/extends have no loader and are refused.
+- the output is bounded as it is produced; include/import/extends have no loader and are refused;
+- compiling is bounded before it starts (`MAX_TEMPLATE_CHARS`, `MAX_TEMPLATE_TOKENS`), runs no
+  template code (jinja2's constant folding is off), and whatever jinja2 or Python's compiler
+  raises on hostile source (nesting past Python's limits: SyntaxError, RecursionError) is a refusal.
 Every breach raises TemplateLimitError with one sentence.
 """
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 import sys
 import threading
@@ -27,6 +31,13 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_INT_BITS = 4096
+# Compiling is bounded before it starts. Real templates (llama.cpp's 70 reference ones) are at
+# most ~17k characters and ~3,800 lexer tokens; a template's compile time and memory grow with
+# its tokens (about 60 us and a few KB of jinja2 and Python compiler state each; code made of
+# nothing but `a+a+a...` or `{{a}}` costs the most), so the tokens are the bound that matters,
+# with wide room for real templates (docs/measurements.md, "chat template bounds").
+MAX_TEMPLATE_CHARS = 256 << 10
+MAX_TEMPLATE_TOKENS = 32 << 10
 BUDGET_FACTOR = 16        # values built in one render, in multiples of the output limit
 _WIDTH = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d+|\*)?(?:\.(\d+|\*))?|\{[^{}]*\}")   # %-specs, {}-fields
 _DIGITS = re.compile(r"\d+")
@@ -72,7 +83,14 @@ def _charge(value, max_chars: int):
 
 
 class _CodeGenerator(CodeGenerator):
-    """`a ~ b` goes through environment.concat, which checks the size first."""
+    """`a ~ b` goes through environment.concat, which checks the size first; `{{ expression }}`
+    is never evaluated while compiling (jinja2 folds constant outputs into the code: filters
+    run outside any render's limits, and a 1 MB result per output lands in the source)."""
+
+    def _output_child_to_const(self, node, frame, finalize):
+        if not isinstance(node, nodes.TemplateData):
+            raise nodes.Impossible()
+        return super()._output_child_to_const(node, frame, finalize)
 
     def visit_Concat(self, node: nodes.Concat, frame) -> None:
         self.write("environment.concat((")
@@ -94,15 +112,26 @@ class _GenerationTag(Extension):
 
 
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """One environment serves every limit: its checks read the running render's Limits, so a
+    template compiles once whatever limits it is rendered with."""
     intercepted_binops = frozenset({"+", "*", "%", "**"})
     code_generator_class = _CodeGenerator
 
-    def __init__(self, max_chars: int):
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
-        self.max_chars = max_chars
+    def __init__(self, max_chars: int = Limits.max_chars):
+        # optimized=False: jinja2's optimizer folds constant expressions while compiling, which
+        # runs filters outside any render's limits and costs time cubic in an expression's
+        # nesting (a chain of 150 `+` or filters); rendering the same expression is linear
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag],
+                         optimized=False)
+        self.default_max_chars = max_chars      # outside render_bounded
         self.filters = {name: self._bounded_filter(name, f) for name, f in self.filters.items()}
         self.globals.pop("lipsum", None)
         self.globals["range"] = self.range
+
+    @property
+    def max_chars(self) -> int:
+        limits = _active.limits
+        return limits.max_chars if limits is not None else self.default_max_chars
 
     # -- what templates can call ---------------------------------------------------------
     def range(self, *args):
@@ -226,18 +255,49 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
 
 def compile_template(env: BoundedEnvironment, source: str) -> jinja2.Template:
-    """Compile; a syntax error raises jinja2's TemplateSyntaxError, a forbidden tag TemplateLimitError."""
+    """Compile within bounds on the work it takes. A syntax error raises jinja2's
+    TemplateSyntaxError; a template over a bound, a forbidden tag, or one that jinja2 turns into
+    Python that Python cannot compile (blocks or expressions nested past its limits) raises
+    TemplateLimitError. Nothing else escapes: the source comes from a file."""
+    check_size(source)
     try:
+        # lexing is a regular-expression scan; parsing, code generation and Python's compile
+        # cost grow with the tokens, so count them first (stopping at the bound)
+        num_tokens = sum(1 for _ in itertools.islice(env.lex(source), MAX_TEMPLATE_TOKENS + 1))
+        if num_tokens > MAX_TEMPLATE_TOKENS:
+            raise TemplateLimitError(f"the chat template has more than {MAX_TEMPLATE_TOKENS:,} tokens of template "
+                                     "syntax, over the limit")
         ast = env.parse(source)
         for tag, node_type in (("include", nodes.Include), ("import", nodes.Import), ("import", nodes.FromImport),
                                ("extends", nodes.Extends)):
             if next(ast.find_all(node_type), None) is not None:
                 raise TemplateLimitError(f"the chat template uses {{% {tag} %}}, which chat templates may not")
         return env.from_string(ast)
-    except (RecursionError, MemoryError):
+    except (TemplateLimitError, jinja2.exceptions.TemplateSyntaxError):
+        raise
+    except RecursionError:
         raise TemplateLimitError("the chat template is nested too deeply to compile") from None
-    except ValueError as e:      # e.g. an integer literal past Python's digit limit
-        raise TemplateLimitError(f"the chat template cannot be compiled ({e})") from None
+    except MemoryError:
+        raise TemplateLimitError("the chat template runs out of memory while compiling") from None
+    except SyntaxError as e:     # IndentationError too: Python's limits on nested blocks and brackets
+        raise TemplateLimitError(f"the chat template cannot be compiled, as Python refuses the code jinja2 makes of it "
+                                 f"({one_line(e.msg)})") from None
+    except Exception as e:       # e.g. ValueError: an integer literal past Python's digit limit
+        raise TemplateLimitError(f"the chat template cannot be compiled ({type(e).__name__}: "
+                                 f"{one_line(str(e))})") from None
+
+
+def check_size(source: str) -> None:
+    """The length bound alone (no lexing): TemplateLimitError for a template over it."""
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"the chat template is {len(source):,} characters long, over the limit of "
+                                 f"{MAX_TEMPLATE_CHARS:,}")
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """One line of at most `limit` characters (messages can quote the template)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def render_bounded(template: jinja2.Template, limits: Limits, **context) -> str:

@@ -49,7 +49,7 @@ def test_hostile_templates_are_refused_quickly(template, fragment):
     t0 = time.perf_counter()
     reason = check_template(template)
     assert time.perf_counter() - t0 < 2.5   # three sample renders of at most 0.5 s each
-    assert reason is not None and fragment in reason and "\n" not in reason, reason
+    assert reason is not None and fragment in reason and "\n" not in reason and len(reason) < 300, reason
     assert render_chat(template, HELLO) == render_chat(None, HELLO)     # the built-in ChatML instead
 
 
@@ -120,10 +120,12 @@ def test_model_with_hostile_template_loads_and_chats_with_chatml(hostile_model):
     assert ids == llm.tokenize(render_chat(None, HELLO), add_special=False)
 
 
-def test_info_says_the_template_is_refused(hostile_model):
+def test_info_reads_the_template_without_checking_it(hostile_model):
+    """info is header-only: it says the file has a template and its size; the check (which
+    refuses this one) is the first chat's (tests/test_template_bounds.py: info never compiles)."""
     proc = run_cli("info", str(hostile_model), "--json")
     assert proc.returncode == 0, proc.stderr
-    assert "built-in ChatML (the model's chat template is refused" in proc.stdout
+    assert "the file's (20 characters; compiled and checked when a chat starts)" in proc.stdout
 
 
 def test_generate_never_renders_the_template(tmp_path):

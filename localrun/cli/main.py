@@ -207,23 +207,35 @@ def info(model: Optional[str] = ModelArg,
               "rope_scaling": c.rope_scaling_type, "tied_output": c.tied_output,
               "sliding_window": (f"{c.sliding_window} tokens in {c.num_local_layers} of {c.n_layers} layers"
                                  if c.sliding_window else "none"),
-              "chat_template": (f"built-in ChatML ({c.chat_template_error})" if c.chat_template_error else
-                                f"{c.arch.chat_format} turn format (the file has none)"
-                                if c.chat_template_origin == "family" else "the file's")
-              if c.chat_template else "built-in ChatML (the file has none)",
+              "chat_template": _template_summary(c),
+              "chat_template_chars": len(c.chat_template) if c.chat_template_origin == "file" else None,
               "tensor_types": {k: {"tensors": n_tensors[k], "bytes": n_bytes[k]} for k in n_bytes}}
     if as_json:
         out.print_json(json.dumps(fields))
         return
     table = Table(title=f"{c.name}  ({f.path.name})", show_header=False)
     for k, v in fields.items():
-        if k != "tensor_types":
+        if k != "tensor_types" and v is not None:
             table.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
     out.print(table)
     types = Table("type", "tensors", "bytes", title="tensor types")
     for k in sorted(n_bytes, key=n_bytes.get, reverse=True):
         types.add_row(k, str(n_tensors[k]), f"{n_bytes[k]:,}")
     out.print(types)
+
+
+def _template_summary(c) -> str:
+    """Which chat template a chat would use, from the header alone: a file's template is only
+    measured here (compiling and checking it is the first chat's work, not info's)."""
+    from localrun.chat_template import size_refusal
+    if c.chat_template_origin == "none":
+        return "built-in ChatML (the file has none)"
+    if c.chat_template_origin == "family":
+        return f"{c.arch.chat_format} turn format (the file has none)"
+    refusal = size_refusal(c.chat_template)
+    if refusal:
+        return f"built-in ChatML ({refusal})"
+    return f"the file's ({len(c.chat_template):,} characters; compiled and checked when a chat starts)"
 
 
 @app.command()
