@@ -31,11 +31,10 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_INT_BITS = 4096
-# Compiling is bounded before it starts. Real templates (llama.cpp's 70 reference ones) are at
-# most ~17k characters and ~3,800 lexer tokens; a template's compile time and memory grow with
-# its tokens (about 60 us and a few KB of jinja2 and Python compiler state each; code made of
-# nothing but `a+a+a...` or `{{a}}` costs the most), so the tokens are the bound that matters,
-# with wide room for real templates (docs/measurements.md, "chat template bounds").
+# Compiling is bounded before it starts. A template's compile time and memory grow with its
+# lexer tokens, not its characters (text is one token however long; `a+a+a...` costs the most per
+# character), so the tokens are the bound that matters; both leave real templates (llama.cpp's
+# reference set) room many times over. Sizes and costs: docs/measurements.md, MAX_TEMPLATE_TOKENS.
 MAX_TEMPLATE_CHARS = 256 << 10
 MAX_TEMPLATE_TOKENS = 32 << 10
 BUDGET_FACTOR = 16        # values built in one render, in multiples of the output limit
