@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from localrun.errors import UserError
+from localrun.errors import ContextLengthExceeded, UserError
 
 
 def split_turns(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
@@ -65,7 +65,7 @@ def fit_messages(messages: list[dict], count_tokens: Callable[[list[dict]], int]
         best = low
     result = kept(best)
     if count_tokens(result) >= n_ctx:
-        raise UserError(f"The system prompt and the last message take {count_tokens(result)} tokens, "
+        raise ContextLengthExceeded("messages", f"The system prompt and the last message take {count_tokens(result)} tokens, "
                         f"more than the context of {n_ctx}; shorten them or raise --ctx.")
     return result, len(messages) - len(result)
 

@@ -6,6 +6,15 @@ class UserError(Exception):
     """A problem with the user's input (file, flag, request), explained in one sentence."""
 
 
+class ContextLengthExceeded(UserError):
+    """A prompt (field "prompt" or "messages") or a reply (field "max_tokens") that the
+    context cannot hold."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class OptionError(UserError):
     """A bad value of one option, in a sentence that starts with the option's name (an
     EngineConfig field such as kv_budget_bytes, a sampling field such as top_p). A front end

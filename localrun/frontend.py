@@ -21,19 +21,10 @@ from functools import cached_property
 
 from localrun.chat_template import render_chat
 from localrun.context_shift import fit_messages, shift_prompt
-from localrun.errors import UserError
+from localrun.errors import ContextLengthExceeded, UserError
 from localrun.sampling_params import InvalidSamplingParam, SamplingParams, TokenLogprob
 from localrun.text_stream import TextStream
 from localrun.tokenizer import Tokenizer
-
-
-class ContextLengthExceeded(UserError):
-    """A prompt (field "prompt" or "messages") or a reply (field "max_tokens") that the
-    context cannot hold."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass

@@ -335,13 +335,6 @@ def test_hostile_bodies_get_a_4xx_naming_the_problem(url, name, body, status, na
     assert health(url)["status"] == "ok"
 
 
-# Pending the one-line change in app.py's check_sampling (sampling_kwargs(frontend.n_ctx)): strict, so
-# that the change must drop these marks
-NEEDS_CHECK_SAMPLING_N_CTX = pytest.mark.xfail(strict=True, reason="app.check_sampling still checks min_tokens "
-                                                                  "against SamplingParams' default max_tokens")
-
-
-@NEEDS_CHECK_SAMPLING_N_CTX
 @pytest.mark.parametrize("path,body,num_generated", [
     (CHAT, chat(max_tokens=300, min_tokens=280, ignore_eos=False), (280, 300)),     # issue 76's case
     (CHAT, chat(max_tokens=300, min_tokens=300), (300, 300)),                      # localrun bench --output-tokens 300
@@ -356,7 +349,6 @@ def test_min_tokens_is_checked_against_the_requests_own_max_tokens(url, path, bo
     assert low <= r.json()["usage"]["completion_tokens"] <= high
 
 
-@NEEDS_CHECK_SAMPLING_N_CTX
 def test_min_tokens_past_the_default_reply_is_refused_naming_both(url):
     # a completion without max_tokens gets OpenAI's 16
     r = post(url, {"prompt": "hi", "min_tokens": 17}, path="/v1/completions")
@@ -438,8 +430,6 @@ def test_every_refusal_has_a_code(url, llm2):
         assert other_model.status_code == 404 and error_of(other_model)["code"] == "model_not_found"
 
 
-@pytest.mark.xfail(strict=True, reason="context_shift.fit_messages raises a plain UserError, which "
-                                       "app.prompt_error gives no code")
 def test_a_chat_prompt_over_the_context_is_context_length_exceeded(url):
     r = post(url, chat("word " * 1024))
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded", r.text

@@ -3,7 +3,7 @@
 The event loop only moves bytes: a request passes the access policy (guard: Host, Origin,
 Content-Type), its body is read within a size and time limit (json_body), and everything
 heavier (JSON decoding, validation, and the front end's chat template and tokenization) runs
-in one worker thread (`prepare`). The request then goes to the engine thread (`EngineLoop`) and the handler relays
+in a few worker threads (`prepare`, PREPARE_WORKERS). The request then goes to the engine thread (`EngineLoop`) and the handler relays
 its events (responses): as SSE chunks (sse-starlette) for streams, as one JSON body otherwise. Every response carries the request's `timings` (queue, prefill, TTFT,
 decode speed, cached prompt tokens); streams carry them in the chunk with the finish reason.
 A client that goes away aborts its request, which frees its KV blocks at the next step.
@@ -39,7 +39,7 @@ from localrun.sampling_params import InvalidSamplingParam, SamplingParams
 from localrun.tools import ToolError, ToolPlan
 from localrun.server import DEFAULT_MAX_QUEUE
 from localrun.server.engine_loop import EngineLoop, Event, ServerRequest
-from localrun.server.guard import AccessPolicy, RequestGuard
+from localrun.server.guard import AccessPolicy, RequestGuard, api_key_problem
 from localrun.server.json_body import ClientGone, decode, read_body
 from localrun.server.metrics import ServerMetrics
 from localrun.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
@@ -57,6 +57,8 @@ BODY_TIMEOUT_S = 30.0
 # most the longest piece of the vocabulary, and JSON spells a byte in at most 6 (\u0041).
 JSON_BYTES_PER_TEXT_BYTE = 6
 JSON_OVERHEAD_BYTES = 64 * 1024         # the body's keys, other fields, message framing
+PREPARE_WORKERS = 4                     # requests whose body, template and grammar are prepared at once
+MAX_MESSAGES = 2048                     # per chat request, as OpenAI's API (each render walks them all)
 
 
 @dataclass
@@ -71,7 +73,6 @@ class ServerConfig:
     max_queue: int | None = DEFAULT_MAX_QUEUE    # queued requests past which a new one gets 503; None: no bound
 
     def __post_init__(self):
-        from localrun.server.guard import api_key_problem     # which keys can work over HTTP at all
         if self.api_key is not None and (problem := api_key_problem(self.api_key)):
             raise UserError(f"the API key {problem}; give another key or none")
 
@@ -97,7 +98,9 @@ class Server:
         self.loop.observer = self.metrics
         self.created = int(time.time())
         self.body_limit = min(config.max_body_bytes, context_body_bytes(frontend))
-        self.worker = anyio.CapacityLimiter(1)     # prompt preparation, one request at a time
+        # prompt preparation: a few requests at a time, so that one heavy request (a long
+        # template render, a costly grammar) never holds a small one behind it
+        self.worker = anyio.CapacityLimiter(PREPARE_WORKERS)
         self.names_seen: set[str] = set()          # other model names clients used (logged once each)
 
     # --- checks ------------------------------------------------------------------------
@@ -150,6 +153,9 @@ class Server:
     def _prepare(self, raw: bytes, chat: bool) -> Prepared:
         body = parse(ChatCompletionRequest if chat else CompletionRequest, raw, decode(raw))
         body.refuse_unsupported()
+        if chat and len(body.messages) > MAX_MESSAGES:
+            raise APIError(400, f"messages holds {len(body.messages):,} messages; the limit is {MAX_MESSAGES:,}",
+                           param="messages", code="too_many_messages")
         name = self.check_model(body.model)
         check_sampling(body, self.frontend)       # before the costly part
         try:
@@ -225,7 +231,7 @@ class Server:
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         events: asyncio.Queue = asyncio.Queue()
         requests = [ServerRequest(request_id if i == 0 else f"{request_id}-{i}", prompt_ids, choice,
-                                  asyncio.get_running_loop(), events=events, index=i)
+                                  asyncio.get_running_loop(), events=events, index=i, group=request_id)
                     for i, choice in enumerate(choice_params(params, n))]
         if not self.loop.try_submit(requests):
             self.refuse_queue_full()
@@ -279,7 +285,7 @@ def context_body_bytes(frontend: FrontEnd) -> int:
 def check_sampling(body, frontend: FrontEnd) -> None:
     """The sampling fields' ranges (SamplingParams's rule), as a 400 naming the field."""
     try:
-        frontend.check_logit_bias(SamplingParams(**body.sampling_kwargs()))
+        frontend.check_logit_bias(SamplingParams(**body.sampling_kwargs(frontend.n_ctx)))
     except InvalidSamplingParam as e:
         raise APIError(400, str(e), param=e.field) from None
 
