@@ -16,7 +16,7 @@ from rich.table import Table
 from localrun.cli.cache import cache_app
 from localrun.cli.options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
                                    GpuLayersOpt, KvTypeOpt, ModelArg, NoDiskCacheOpt, PromptMathOpt, SpecOpt, ThreadsOpt, engine_config,
-                                   in_flag_words, load_llm)
+                                   in_flag_words, load_llm, warn_template)
 from localrun.cli.plan import plan
 from localrun.cli.tune import tune
 from localrun.cli.bench import bench
@@ -29,15 +29,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Run GGUF language models locally: chat, generate, serve, plan.")
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
-
-
-def _warn_template(llm) -> None:
-    """A chat template the sandbox refused at load: say so once; the built-in one is used."""
-    if llm.config.chat_template_error:
-        err.print(f"[yellow]warning: {llm.config.chat_template_error}; using the built-in ChatML template[/yellow]",
-                  soft_wrap=True)
-    elif llm.config.chat_template_notice:      # no template in the file: the family's turn format
-        err.print(f"[yellow]note: {llm.config.chat_template_notice}[/yellow]", soft_wrap=True)
 
 
 def _stats_line(t: dict) -> str:
@@ -76,7 +67,7 @@ def chat(model: Optional[str] = ModelArg,
                            spec=spec, draft_max=draft_max, cache_dir=cache_dir, no_disk_cache=no_disk_cache,
                            cache_disk=cache_disk, cache_ram=cache_ram, prompt_math=prompt_math, n_parallel=1)
     llm = load_llm(model, config)
-    _warn_template(llm)
+    warn_template(llm)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     last = None

@@ -124,3 +124,13 @@ def load_llm(model: str | None, config: EngineConfig, *, max_batched_tokens: int
     if advice is not None and advice.busy_cores:
         err.print(f"[dim]threads: {advice.reason} (set -t to choose)[/dim]")
     return llm
+
+
+def warn_template(llm) -> None:
+    """A chat template the sandbox refuses (checked now, at start, not at the first chat
+    request): say so once; the built-in one is used."""
+    if llm.config.chat_template_error:
+        err.print(f"[yellow]warning: {llm.config.chat_template_error}; using the built-in ChatML template[/yellow]",
+                  soft_wrap=True)
+    elif llm.config.chat_template_notice:      # no template in the file: the family's turn format
+        err.print(f"[yellow]note: {llm.config.chat_template_notice}[/yellow]", soft_wrap=True)

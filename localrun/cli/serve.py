@@ -16,7 +16,7 @@ from rich.console import Console
 from localrun.cli.options import (CacheDirOpt, CacheDiskOpt, CacheRamOpt, CtxOpt, DraftMaxOpt, DraftModelOpt,
                                    GpuLayersOpt, KvBudgetOpt, KvTypeOpt, MaxBatchedTokensOpt, ModelArg,
                                    NoChunkedPrefillOpt, NoDiskCacheOpt, NoPrefixCacheOpt, OutputReserveOpt, ParallelOpt,
-                                   PromptMathOpt, ScheduleOpt, SpecOpt, ThreadsOpt, engine_config, load_llm)
+                                   PromptMathOpt, ScheduleOpt, SpecOpt, ThreadsOpt, engine_config, load_llm, warn_template)
 from localrun.errors import UserError
 from localrun.server import DEFAULT_MAX_QUEUE
 
@@ -130,6 +130,7 @@ def serve(command: typer.Context, model: Optional[str] = ModelArg,
     llm = load_llm(model, config, max_batched_tokens=max_batched_tokens, default_batched_tokens=DEFAULT_BATCHED_TOKENS)
     if itl_target_ms:
         llm.engine.set_itl_target(itl_target_ms / 1000)
+    warn_template(llm)     # the template's check (its compile, seconds for a large one) before serving
     import uvicorn    # the server after the model: a bad model name is refused before torch loads
 
     from localrun.models import DEFAULT_MODEL
