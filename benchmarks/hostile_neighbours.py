@@ -10,8 +10,8 @@ hostile request, sent just before the victim:
 - `messages`: a chat body of 20,000 short messages (~800 KB; over the bound: refused);
 - `messages_2k`: 2,000 of them (the most a request may hold): rendered, turns dropped to fit;
 - `n16`: a chat with n=16 and no max_tokens;
-plus a small chat (one token) sent while each hostile request is being handled: its latency
-shows what preparation and seats cost a cheap request.
+and, in a second pass beside each hostile request, a small chat (one token): its latency shows
+what preparation and seats cost a cheap request.
 
 Prints a table, then one JSON object as the last line: per scenario the victim's worst and
 p99 gap, their ratios to the baseline (target: worst under 2x), the hostile request's status,
@@ -78,33 +78,51 @@ def run_scenario(url: str, name: str, body: dict | None, tokens: int) -> dict:
     out: dict = {}
     hostile: dict = {}
 
+    victim_done = threading.Event()
+
     def send_hostile():
+        """Streamed, so that it can be dropped (and aborted by the server) once the victim is done."""
         start = time.perf_counter()
         try:
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900)
-            hostile.update(status=r.status_code, seconds=round(time.perf_counter() - start, 2),
-                           message=(r.json().get("error") or {}).get("message", "")[:200] if r.status_code >= 400 else "")
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=900) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    message = (r.json().get("error") or {}).get("message", "")[:200]
+                else:
+                    message = ""
+                    for _ in r.iter_lines():
+                        if victim_done.is_set():
+                            message = "dropped when the victim was done"
+                            break
+                hostile.update(status=r.status_code, seconds=round(time.perf_counter() - start, 2), message=message)
         except httpx.HTTPError as e:
             hostile.update(status=None, seconds=round(time.perf_counter() - start, 2), message=str(e)[:200])
 
-    threads = []
-    if body is not None:
-        threads.append(threading.Thread(target=send_hostile))
-        threads[-1].start()
-        time.sleep(0.3)
-    v = threading.Thread(target=victim, args=(url, tokens, out))
-    v.start()
-    small_s = None
-    if body is not None:
-        time.sleep(0.5)
+    def with_hostile(probe):
+        """Run probe() while the hostile request (if any) is in flight; then drop it."""
+        thread = None
+        if body is not None:
+            thread = threading.Thread(target=send_hostile)
+            thread.start()
+            time.sleep(0.3)
+        result = probe()
+        victim_done.set()
+        if thread is not None:
+            thread.join()
+        victim_done.clear()
+        return result
+
+    def small():
+        """A one-token chat (its own pass: its prompt step would be counted in the victim's gaps)."""
         start = time.perf_counter()
         r = httpx.post(f"{url}/v1/chat/completions", timeout=900, json={
             "model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
-        small_s = round(time.perf_counter() - start, 3) if r.status_code == 200 else None
-    v.join()
-    for t in threads:
-        t.join()
-    return {"scenario": name, **gap_summary(out["gaps"]), "hostile": hostile or None, "small_request_s": small_s}
+        return round(time.perf_counter() - start, 3) if r.status_code == 200 else None
+
+    with_hostile(lambda: victim(url, tokens, out))
+    row = {"scenario": name, **gap_summary(out["gaps"]), "hostile": dict(hostile) or None}
+    row["small_request_s"] = with_hostile(small) if body is not None else None
+    return row
 
 
 def main() -> None:
@@ -120,7 +138,7 @@ def main() -> None:
     times = cpu_times()
     rows = []
     with localrun_server(args.model, "-t", str(args.threads), "--parallel", str(args.parallel),
-                         "-c", str(args.ctx * args.parallel), "--no-disk-cache") as url:
+                         "-c", str(args.ctx), "--no-disk-cache") as url:
         run_scenario(url, "warm-up", None, 16)
         alone = [run_scenario(url, "alone", None, args.victim_tokens) for _ in range(2)]
         base = min(alone, key=lambda r: r["gap_max_ms"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -129,3 +130,12 @@ _TIMES_AT_IMPORT = cpu_times()
 if __name__ == "__main__":
     import json
     print(json.dumps(cpu_info()))
+
+
+def lower_thread_priority(nice: int = 19) -> None:
+    """Run the calling thread at a lower CPU priority (19: the lowest) where the OS allows it per
+    thread (Linux: a thread is a task with its own nice value); elsewhere, do nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass

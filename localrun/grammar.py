@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from localrun.cpu_info import lower_thread_priority
 from localrun.errors import UserError
 
 # The JSON Schema keywords the mask enforces (checked against jsonschema in the tests), and
@@ -50,6 +51,7 @@ MAX_SOURCE_BYTES = 128 * 1024
 # A repetition count in a grammar (`x{m,n}`), at most: llama.cpp's GBNF parser refuses more
 # (MAX_REPETITION_THRESHOLD); llguidance compiled "x"{1000000} in 4 s, then gave up mid-reply.
 MAX_REPETITION = 2000
+GRAMMAR_NICE = 10         # the grammar thread's nice value: ~10% of a core against busy engine threads
 _REPETITION = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')     # a string literal: its braces are text
 
@@ -222,8 +224,15 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Constraint] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
-        # every matcher's masks after the first are computed here, off the engine thread
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localrun-grammar")
+        # every matcher's masks after the first are computed here, off the engine thread, at a
+        # lower priority than the engine's threads: a costly grammar takes CPU from its own
+        # request, not from the batch's steps (GRAMMAR_NICE; docs/measurements.md)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localrun-grammar",
+                                          initializer=lower_thread_priority, initargs=(GRAMMAR_NICE,))
+        # compiles (and their first mask: up to a second or two within the bounds) on a thread of
+        # their own at the same priority, so that they hold neither the batch nor other masks
+        self._compile_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localrun-grammar-compile",
+                                                  initializer=lower_thread_priority, initargs=(GRAMMAR_NICE,))
 
     # --- the kinds of constraint ---------------------------------------------------------
     def from_options(self, json_schema=None, grammar: str | None = None) -> Constraint | None:
@@ -280,6 +289,16 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end((kind, key))
                 return hit
+        constraint = self._compile_worker.submit(self._compile, kind, key, field, build).result()
+        with self._lock:
+            self._cache[(kind, key)] = constraint
+            self.num_compiled += 1
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return constraint
+
+    def _compile(self, kind: str, key: str, field: str, build) -> Constraint:
+        """On the compile thread: the grammar checked, its matcher built, its start state's mask."""
         try:
             grammar = build()
         except Exception as e:      # noqa: BLE001 - a schema llguidance cannot read
@@ -297,13 +316,7 @@ class GrammarCompiler:
             raise GrammarError(field, f"{field} cannot be enforced: {_reason(e)}") from None
         if not first_allowed.any():
             raise GrammarError(field, f"{field} cannot be enforced: {_NO_START}")
-        constraint = Constraint(kind, key, template, self.n_vocab, first_allowed, self._worker)
-        with self._lock:
-            self._cache[(kind, key)] = constraint
-            self.num_compiled += 1
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return constraint
+        return Constraint(kind, key, template, self.n_vocab, first_allowed, self._worker)
 
 
 def check_repetitions(lark: str, field: str) -> None:

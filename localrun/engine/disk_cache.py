@@ -60,6 +60,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from localrun.cpu_info import lower_thread_priority
 from localrun.engine.disk_files import STATS_FILE, SUFFIX, DiskCacheStats, read_stats, scan, write_atomic
 from localrun.engine.paged_kv import PagedKVCache
 
@@ -408,11 +409,3 @@ class DiskKVCache:
     def close(self) -> None:
         self._finalizer()
 
-
-def lower_thread_priority() -> None:
-    """Run the calling thread at the lowest CPU priority where the OS allows it per thread
-    (Linux: a thread is a task with its own nice value); elsewhere, do nothing."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
