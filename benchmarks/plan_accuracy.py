@@ -157,10 +157,9 @@ class Worker:
     def result(self) -> dict:
         """The run's figures (the engine freed first); the machine's speed now, against the calibration's."""
         from localrun.calibrate_engine import reference_step_seconds
-        from localrun.engine.paged_kv import default_kv_type
 
         llm, rows = self.llm, self.rows
-        dtype, kv_type = str(llm.dtype).removeprefix("torch."), llm.kv_type or default_kv_type(llm.dtype)
+        dtype, kv_type = str(llm.dtype).removeprefix("torch."), llm.kv_type
         n_threads = llm.n_threads
         del llm, self.llm
         reference_s, reference_long_s = reference_step_seconds(self.path, self.threads)
@@ -265,7 +264,8 @@ def predict(path, measured: dict, calibration) -> dict:
     kv, n_parallel = measured["kv_type"], measured["n_parallel"]
     plan = layerplan.plan(profile, machine, n_ctx=measured["n_ctx"], n_parallel=n_parallel, kv_type=kv,
                           n_gpu_layers=0, margin_bytes=0, prompt_tokens=measured["prompt_tokens"], with_sweep=False,
-                          n_ubatch=EngineConfig().max_num_batched_tokens)   # the engine's prompt step
+                          n_ubatch=EngineConfig().max_num_batched_tokens,   # the engine's prompt step
+                          runtime="localrun")                               # and its KV layouts
     ledger = engine_ledger(plan, EngineOptions(dtype_bytes=dtype_bytes, kv_type=kv))
     resident = sum(i.n_bytes for i in ledger.items if i.what != "compute buffers")
     fill = measured["prompt_tokens"] + measured["generated_tokens"] // 2   # the median decode step's cache

@@ -347,8 +347,7 @@ def main():
 
 
 def make_kv_name(llm) -> str:
-    from localrun.engine.paged_kv import default_kv_type
-    return llm.kv_type or default_kv_type(llm.model.dtype)
+    return llm.kv_type
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def attention_scratch_bytes(profile: ModelProfile, settings: PlanSettings) -> in
     scratch = n_kv * n_ub * F16  # KQ mask
     if not settings.flash_attention:
         scratch += n_kv * n_ub * max(l.n_head for l in profile.layers) * F32
-    if settings.kv.block_size > 1 or settings.kv.name == "fp8":  # dequantized to f16 for a prefill step
+    if settings.kv.quantized:  # dequantized to f16 for a prefill step
         widest = max(l.n_kv_head * (l.head_dim_k + l.head_dim_v) for l in profile.layers)
         scratch += n_kv * widest * F16
     return scratch

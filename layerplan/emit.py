@@ -8,14 +8,21 @@ from __future__ import annotations
 import math
 import shlex
 
+from layerplan.kv_cache import KVType, kv_type
 from layerplan.planner import Plan
 from layerplan.units import GiB
+
+
+def peer_kv(plan: Plan) -> KVType:
+    """The plan's KV type in llama.cpp's and vLLM's table (a plan for localrun's engine names its
+    types in the engine's words: int8 is q8_0 there)."""
+    return kv_type(plan.settings.kv.name)
 
 
 def llama_cpp_flags(plan: Plan) -> list[str]:
     """llama.cpp's flags for this plan (llama-server / llama-cli). Its -c is the total over all
     sequences, so it is n_ctx x n_parallel."""
-    s, kv = plan.settings, plan.settings.kv
+    s, kv = plan.settings, peer_kv(plan)
     flags = ["-ngl", str(plan.n_gpu_layers)]
     k = plan.placement.n_cpu_moe
     if k:
@@ -56,8 +63,9 @@ def _model_arg(plan: Plan) -> str:
 
 def llama_server_command(plan: Plan) -> str:
     lines = []
-    if not plan.settings.kv.llama_cpp:
-        lines.append(f"# llama.cpp has no {plan.settings.kv.name} KV cache; this uses f16")
+    kv = peer_kv(plan)
+    if not kv.llama_cpp:
+        lines.append(f"# llama.cpp has no {kv.name} KV cache; this uses f16")
     k = plan.placement.n_cpu_moe
     if k:
         flag = "--cpu-moe" if k >= plan.n_layers else f"--n-cpu-moe {k}"
@@ -70,17 +78,17 @@ def llama_server_command(plan: Plan) -> str:
 def vllm_command(plan: Plan, hf_repo: str | None = None) -> str:
     """vLLM's `serve` for the same context, parallelism and KV type. vLLM keeps the KV cache on the
     GPUs; layers that do not fit there become --cpu-offload-gb (weights streamed per step)."""
-    s, profile = plan.settings, plan.profile
+    s, profile, kv = plan.settings, plan.profile, peer_kv(plan)
     lines = []
     model = hf_repo or _model_arg(plan)
     args = ["vllm", "serve", model, "--max-model-len", str(s.n_ctx), "--max-num-seqs", str(s.n_parallel)]
     if profile.path and not hf_repo:
         lines.append("# vLLM reads a GGUF best with the original model's tokenizer: add --tokenizer <repository>")
-    if s.kv.vllm is None:
-        lines.append(f"# vLLM has no {s.kv.name} KV cache; fp8 is its nearest smaller type")
+    if kv.vllm is None:
+        lines.append(f"# vLLM has no {kv.name} KV cache; fp8 is its nearest smaller type")
         args += ["--kv-cache-dtype", "fp8"]
-    elif s.kv.vllm != "auto":
-        args += ["--kv-cache-dtype", s.kv.vllm]
+    elif kv.vllm != "auto":
+        args += ["--kv-cache-dtype", kv.vllm]
     gpus = [u for u in plan.usage if u.device.kind == "gpu"]
     if gpus:
         share = min(u.budget_bytes / u.device.total_bytes for u in gpus)

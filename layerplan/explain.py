@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from layerplan.devices import Machine
-from layerplan.kv_cache import kv_type
+from layerplan.kv_cache import LLAMA_CPP, LOCALRUN, kv_spec
 from layerplan.model_profile import ModelProfile
 from layerplan.placement import DeviceUsage, place
 from layerplan.settings import PlanSettings
@@ -15,7 +15,11 @@ from layerplan.units import format_bytes as fb
 if TYPE_CHECKING:
     from layerplan.planner import Candidate
 
-SMALLER_KV = "q8_0"
+SMALLER_KV = {LLAMA_CPP: "q8_0", LOCALRUN: "int8"}   # the 8-bit KV type a fix names, in each runtime's words
+
+
+def smaller_kv(settings: PlanSettings) -> str:
+    return SMALLER_KV[settings.runtime]
 
 
 def _gpu_word(machine: Machine) -> str:
@@ -56,9 +60,10 @@ def _weights_only_layers(profile: ModelProfile, machine: Machine, settings: Plan
 
 
 def _smaller_kv_fits(profile: ModelProfile, machine: Machine, settings: PlanSettings, n_gpu_layers: int) -> bool:
-    if settings.kv.bytes_for(32) <= kv_type(SMALLER_KV).bytes_for(32):
+    smaller = smaller_kv(settings)
+    if settings.kv.bytes_for(32) <= kv_spec(smaller, settings.runtime).bytes_for(32):
         return False
-    return place(profile, machine, _with(settings, kv_type=SMALLER_KV), n_gpu_layers).fits
+    return place(profile, machine, _with(settings, kv_type=smaller), n_gpu_layers).fits
 
 
 def explain_auto(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands: list["Candidate"],
@@ -168,7 +173,7 @@ def explain_pinned(profile: ModelProfile, machine: Machine, settings: PlanSettin
     if ctx:
         fixes.append(f"lower --ctx to {ctx}")
     if _smaller_kv_fits(profile, machine, settings, k):
-        fixes.append(f"use --kv-type {SMALLER_KV}")
+        fixes.append(f"use --kv-type {smaller_kv(settings)}")
     if not fixes:
         fixes.append("use a smaller quantization or a machine with more memory")
     return [f"--gpu-layers {k} does not fit: {_need(over, settings.margin_bytes)}; {', or '.join(fixes)}."]
@@ -193,7 +198,7 @@ def explain_unfit(profile: ModelProfile, machine: Machine, settings: PlanSetting
     if settings.n_parallel > 1:
         fixes.append("lower --parallel")
     if any(_smaller_kv_fits(profile, machine, settings, c.n_gpu_layers) for c in cands):
-        fixes.append(f"use --kv-type {SMALLER_KV}")
+        fixes.append(f"use --kv-type {smaller_kv(settings)}")
     if not fixes:
         fixes.append("use a smaller quantization or a machine with more memory")
     where = f"with {shown.n_gpu_layers} layers on the GPU, " if machine.gpus else ""

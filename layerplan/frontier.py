@@ -20,13 +20,13 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from layerplan.devices import Machine
-from layerplan.kv_cache import kv_type
+from layerplan.kv_cache import DEFAULT_KV_TYPE, LLAMA_CPP, LOCALRUN, kv_type
 from layerplan.model_profile import ModelProfile
 from layerplan.placement import LayerSizes, place
 from layerplan.settings import PlanSettings
 from layerplan.speed import predict
 
-KV_CHOICES = ("f16", "q8_0")  # q4_0 and others join the menu when pinned with --kv-type
+KV_CHOICES = {LLAMA_CPP: ("f16", "q8_0"), LOCALRUN: ("f16", "int8")}  # per runtime; others when pinned with --kv-type
 PARALLEL_CHOICES = (1, 2, 4)
 MAX_CONTEXTS = 5          # the requested context and up to four doublings, within the trained context
 PREFERENCES = ("speed", "context", "parallel")
@@ -48,7 +48,8 @@ class MenuEntry:
 
     @property
     def kv_precision(self) -> float:
-        """Bytes per cached value: more is more precise (f16 2, q8_0 1.06, q4_0 0.56)."""
+        """Bytes per cached value as llama.cpp stores it: more is more precise (f16 2, q8_0 and the
+        engine's int8 1.06, q4_0 0.56): a ranking, the same for either runtime's names."""
         return kv_type(self.kv_type).bytes_for(1)
 
 
@@ -110,7 +111,8 @@ def frontier(profile: ModelProfile, machine: Machine, settings: PlanSettings, *,
     predicted with half of `settings.n_ctx` cached in each sequence, so a larger context costs
     speed only where it moves weights off the GPU, not for tokens the user has not sent yet."""
     contexts = [settings.n_ctx] if "ctx" in pinned else context_choices(settings.n_ctx, profile.n_ctx_train)
-    kv_types = [settings.kv.name] if "kv_type" in pinned else list(dict.fromkeys((settings.kv.name, *KV_CHOICES)))
+    kv_types = ([settings.kv.name] if "kv_type" in pinned
+                else list(dict.fromkeys((settings.kv.name, *KV_CHOICES[settings.runtime]))))
     parallels = [settings.n_parallel] if "parallel" in pinned else sorted({settings.n_parallel, *PARALLEL_CHOICES})
     entries = []
     for n_ctx in contexts:
@@ -157,13 +159,14 @@ def plan_menu(profile: ModelProfile, machine: Machine, *, preference: str | None
     if pins_given:
         try:
             asked = PlanSettings(n_ctx=n_ctx or min(profile.n_ctx_train, DEFAULT_CTX), n_parallel=n_parallel or 1,
-                                 kv_type=kv_type or "f16", margin_bytes=margin)
+                                 kv_type=kv_type or DEFAULT_KV_TYPE, margin_bytes=margin,
+                                 runtime=options.get("runtime", LLAMA_CPP))
         except ValueError:
             asked = None  # plan() says what is wrong with the values
         if asked is not None:
             check_pins_can_fit(profile, machine, asked, pins_given)
     pins = dict(n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, prompt_tokens=prompt_tokens, **options)
-    first = plan(profile, machine, n_ctx=n_ctx, n_parallel=n_parallel or 1, kv_type=kv_type or "f16", **pins)
+    first = plan(profile, machine, n_ctx=n_ctx, n_parallel=n_parallel or 1, kv_type=kv_type or DEFAULT_KV_TYPE, **pins)
     pinned = frozenset(axis for axis, value in (("ctx", n_ctx), ("kv_type", kv_type), ("parallel", n_parallel))
                        if value is not None)
     if preference is not None and preference not in PREFERENCES:

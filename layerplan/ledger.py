@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from layerplan.buffers import CUDA_CONTEXT_BYTES, head_buffer_bytes
 from layerplan.ggml_types import GGML_TYPES_BY_NAME
 from layerplan.gguf_header import GGUFHeader, LongArray, TensorInfo, read_header
-from layerplan.kv_cache import (ENGINE_KV_TYPES, KV_ALIASES, engine_kv_bytes_per_value, layer_kv_tokens,
-                                num_window_blocks)
+from layerplan.kv_cache import KV_BLOCK_SIZE, engine_kv, layer_kv_tokens, num_window_blocks
 from layerplan.model_profile import ModelProfile
 
-# GGML types localrun's compiled kernels multiply in place (localrun/kernels KERNEL_TYPES)
+# GGML types localrun's compiled kernels multiply in place (localrun/kernels derives its KERNEL_TYPES from this)
 ENGINE_KERNEL_TYPES = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"})
 INT4_TYPES, INT8_TYPES = frozenset({"q4_0", "q4_1", "q4_k"}), frozenset({"q8_0"})
 ENGINE_CUDA_CONTEXT_BYTES = 684 * 2**20     # per GPU holding layers (module docstring: measured)
@@ -48,16 +47,14 @@ ENGINE_CUDA_HOST_BYTES = 420 * 2**20        # on the host, once any GPU holds la
 GROUP = 32
 TOKENIZER_BYTES_PER_TOKEN = 172 + 93   # llama.cpp's vocabulary + localrun's piece tables
 TOKENIZER_BYTES_PER_MERGE = 203
-KV_BLOCK_SIZE = 16
 F32 = 4
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     dtype_bytes: int = 4            # the compute dtype (float32 by default: localrun.api.default_dtype)
-    kv_bytes_per_value: float = 2   # the KV pool's element size: f16 for a float32 model (the engine's default)
-    kv_type: str | None = None      # the engine's KV type ("f16", "int8", ...): its layout's size, scales
-                                    # included (kv_cache.engine_kv_bytes_per_value), instead of kv_bytes_per_value
+    kv_type: str | None = None      # the engine's KV type ("f16", "int8", ...: kv_cache.ENGINE_KV, its layout's
+                                    # size, scales included); None: the plan's
     kernels: bool = True            # localrun's compiled kernels are loaded
     draft: ModelProfile | None = None
     ram_kv_tier_bytes: int = 0      # cache_ram: host RAM for evicted prefix blocks
@@ -131,12 +128,6 @@ def _weight_items(plan, header: GGUFHeader, options: EngineOptions) -> dict[tupl
     return totals
 
 
-def engine_kv_type(plan_kv_type: str) -> str | None:
-    """The engine's KV type for a plan's ('q8_0' is the engine's int8), None if it has none."""
-    name = KV_ALIASES.get(plan_kv_type, plan_kv_type)
-    return "int8" if name == "q8_0" else name if name in ENGINE_KV_TYPES else None
-
-
 def engine_kv_tokens(layer, settings) -> int:
     """Token slots of a layer's KV that the engine's sequences fill: n_ctx each. A sliding-window
     layer's pool (num_window_blocks: the windows, a block either side, and one prompt step's
@@ -162,15 +153,15 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
         for k, usage in enumerate(placement.usage):
             if usage.weights_bytes:
                 items.append(LedgerItem(k, "weights, as stored", usage.weights_bytes))
-    def per_value(layer) -> float:
-        if options.kv_type is None:
-            return options.kv_bytes_per_value
-        return engine_kv_bytes_per_value(options.kv_type, layer.head_dim_k, KV_BLOCK_SIZE)
+    layout = engine_kv(options.kv_type or settings.kv_type)
+
+    def kv_bytes(layer, n_tokens: int) -> int:
+        return round(layout.bytes_per_token(layer.n_kv_head, layer.head_dim_k, layer.head_dim_v, KV_BLOCK_SIZE)
+                     * n_tokens)
 
     kv = [0] * len(machine.devices)
     for il, layer in enumerate(profile.layers):
-        values = layer.n_kv_head * (layer.head_dim_k + layer.head_dim_v)
-        kv[placement.kv_devices[il]] += round(values * per_value(layer) * engine_kv_tokens(layer, settings))
+        kv[placement.kv_devices[il]] += kv_bytes(layer, engine_kv_tokens(layer, settings))
     for k, n_bytes in enumerate(kv):
         if n_bytes:
             items.append(LedgerItem(k, f"KV pool ({settings.n_ctx} x {settings.n_parallel} tokens)", n_bytes))
@@ -193,8 +184,7 @@ def engine_ledger(plan, options: EngineOptions = EngineOptions()) -> Ledger:
     items.append(LedgerItem(host, "tokenizer (vocabulary and tables)", _tokenizer_bytes(header, profile.n_vocab)))
     if options.draft is not None:
         draft = options.draft
-        draft_kv = sum(round(l.n_kv_head * (l.head_dim_k + l.head_dim_v) * per_value(l)
-                             * layer_kv_tokens(l, settings.n_ctx, settings.n_parallel)) for l in draft.layers)
+        draft_kv = sum(kv_bytes(l, layer_kv_tokens(l, settings.n_ctx, settings.n_parallel)) for l in draft.layers)
         items.append(LedgerItem(host, f"draft model {draft.name} (weights and KV)", draft.weight_bytes + draft_kv))
     if options.ram_kv_tier_bytes:
         items.append(LedgerItem(host, "RAM KV tier (cap)", options.ram_kv_tier_bytes))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from layerplan.devices import Machine
 from layerplan.explain import explain_auto, explain_moe, explain_pinned, explain_unfit
-from layerplan.kv_cache import kv_bytes_per_token
+from layerplan.kv_cache import DEFAULT_KV_TYPE, LLAMA_CPP, kv_bytes_per_token
 from layerplan.model_profile import ModelProfile
 from layerplan.placement import DeviceUsage, LayerSizes, Placement, place
 from layerplan.settings import DEFAULT_CTX, DEFAULT_MARGIN, DEFAULT_PROMPT_TOKENS, DEFAULT_UBATCH, PlanSettings
@@ -217,12 +217,13 @@ def _evaluate(profile: ModelProfile, machine: Machine, settings: PlanSettings, p
 
 
 def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n_parallel: int = 1,
-         kv_type: str = "f16", n_ubatch: int = DEFAULT_UBATCH, margin_bytes: int = DEFAULT_MARGIN,
+         kv_type: str = DEFAULT_KV_TYPE, n_ubatch: int = DEFAULT_UBATCH, margin_bytes: int = DEFAULT_MARGIN,
          n_gpu_layers: int | None = None, kv_offload: bool = True, flash_attention: bool = True,
          prompt_tokens: int = DEFAULT_PROMPT_TOKENS, with_sweep: bool = True,
-         n_cpu_moe: int | None = None) -> Plan:
+         n_cpu_moe: int | None = None, runtime: str = LLAMA_CPP) -> Plan:
     """Plan `profile` on `machine`. None for n_ctx, n_gpu_layers or n_cpu_moe means: the planner
     chooses (n_cpu_moe: the routed experts of the first N layers kept in host memory, MoE only).
+    runtime: whose KV layouts size the cache, "llama.cpp" or "localrun" (the engine's; PlanSettings).
 
     n_ctx is per sequence (n_parallel sequences each get n_ctx tokens of KV cache). The
     unpinned context is min(trained context, 4096), halved while nothing fits.
@@ -245,7 +246,7 @@ def plan(profile: ModelProfile, machine: Machine, *, n_ctx: int | None = None, n
     try:
         settings = PlanSettings(n_ctx=n_ctx or min(profile.n_ctx_train, DEFAULT_CTX), n_parallel=n_parallel,
                                 kv_type=kv_type, n_ubatch=n_ubatch, margin_bytes=margin_bytes,
-                                kv_offload=kv_offload, flash_attention=flash_attention)
+                                kv_offload=kv_offload, flash_attention=flash_attention, runtime=runtime)
     except ValueError as err:
         raise PlanError(str(err)) from None
     if n_ctx and n_ctx > profile.n_ctx_train:

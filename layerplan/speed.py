@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layerplan.devices import Device, Machine
-from layerplan.kv_cache import layer_kv_bytes_per_token
+from layerplan.kv_cache import ENGINE_KV_ALIASES, layer_kv_bytes_per_token
 from layerplan.model_profile import LayerProfile, ModelProfile
 from layerplan.placement import Placement
 from layerplan.settings import PlanSettings
@@ -104,7 +104,7 @@ def decode_attention_rate(device: Device, kv_name: str, rows: int) -> float:
     attention took as long as float16's at 2048 cached tokens: its bytes, half float16's, then nearly
     fit the CPU's caches, but each is widened and scaled in the kernel (docs/layerplan.md)."""
     for name, one, batch, batch_rows in device.kv_decode_flops:
-        if name == kv_name:
+        if ENGINE_KV_ALIASES.get(name, name) == ENGINE_KV_ALIASES.get(kv_name, kv_name):    # q8_0 is the engine's int8
             return _rows_rate(one, batch, batch_rows, rows)
     return 0.0
 

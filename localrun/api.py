@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from layerplan.kv_cache import default_kv_type
 from localrun.engine.llm_engine import LLMEngine
 from localrun.engine_config import DEFAULT_PROMPT_MATH, EngineConfig
 from localrun.errors import UserError
@@ -78,6 +79,8 @@ class LLM:
         self.n_ctx = config.n_ctx or min(self.config.context_length, DEFAULT_CTX)
         dtype = config.dtype
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or default_dtype())
+        if config.kv_type is None:      # the KV type's one default, for the plan and the pool alike
+            self.engine_config = config = dataclasses.replace(config, kv_type=default_kv_type(self.dtype))
         t0 = time.perf_counter()
         self.quantized = use_quantized(config.quantized, dtype)
         self.model = build_model(self.file, n_ctx=self.n_ctx, dtype=self.dtype, quantized=self.quantized,
@@ -105,8 +108,9 @@ class LLM:
                 f"output past {trained} tokens may degrade")
 
     @property
-    def kv_type(self) -> str | None:
-        """The KV type asked for (None: the engine's default for the compute dtype)."""
+    def kv_type(self) -> str:
+        """The engine's KV type: the one asked for (in the engine's words: q8_0 is int8), else the
+        default for the compute dtype (layerplan.kv_cache.default_kv_type)."""
         return self.engine_config.kv_type
 
     def _disk_cache_config(self, config: EngineConfig):

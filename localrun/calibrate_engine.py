@@ -248,7 +248,6 @@ def measure_timings(path, threads: int | None = None):
     (docs/layerplan.md), and a calibration taken across such a move is not this machine's."""
     import layerplan
     from layerplan.engine_fit import EngineTimings
-    from localrun.engine.paged_kv import default_kv_type
 
     profile = layerplan.profile_gguf(path)
     n_layers = profile.n_layers
@@ -277,7 +276,7 @@ def measure_timings(path, threads: int | None = None):
 
     before = _resident_bytes()
     full = _Engine(path, None, max(long_fill, 2 * n, sizes[-1]) + DECODE_STEPS + 16, BATCH, threads)
-    kv_type = full.llm.kv_type or default_kv_type(full.llm.dtype)
+    kv_type = full.llm.kv_type
     for name in [k for k in OTHER_KV_TYPES if k == kv_type]:   # the default cache is the one timed throughout
         del plans[f"{name} one"], plans[f"{name} batch"]
     rounds = {"batch": full.decode(BATCH, SHORT_FILL, *middle_fills, long_fill), "prompt": full.prefill(sizes, n)}

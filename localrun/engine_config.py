@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from layerplan.kv_cache import ENGINE_KV_TYPES
+from layerplan.kv_cache import engine_kv_type
 from localrun.errors import OptionError
 
 if TYPE_CHECKING:
@@ -53,8 +53,9 @@ class EngineConfig:
     n_parallel: int = 4               # sequences decoded together (continuous batching)
     max_num_batched_tokens: int = 2048    # tokens per engine step: the prefill chunk budget
     enable_chunked_prefill: bool = True
-    kv_type: str | None = None        # f32, bf16, f16, int8, fp8 (ENGINE_KV_TYPES); None: f16 for a float32
-                                      # model, else the compute dtype's
+    kv_type: str | None = None        # f32, bf16, f16, int8, fp8 (layerplan.kv_cache.ENGINE_KV; llama.cpp's names
+                                      # for them too: q8_0 is int8); None: f16 for a float32 model, else the
+                                      # compute dtype's (kv_cache.default_kv_type)
     kv_budget_bytes: int | str | None = None   # KV pool bytes ("2GiB"); None: the plan's, per device
     enable_prefix_caching: bool = True
     cache_ram: int | str | None = None    # host RAM ("4GiB") for prefix blocks the pool evicts, copied back on a
@@ -89,8 +90,11 @@ class EngineConfig:
         _integer("n_keep", self.n_keep, 0)
         from localrun.placement import parse_layer_count
         parse_layer_count(self.n_gpu_layers)
-        if self.kv_type is not None and self.kv_type not in ENGINE_KV_TYPES:
-            raise OptionError("kv_type", f"kv_type takes {', '.join(ENGINE_KV_TYPES)}, not {self.kv_type!r}.")
+        if self.kv_type is not None:        # in the engine's words from here on
+            try:
+                object.__setattr__(self, "kv_type", engine_kv_type(self.kv_type))
+            except ValueError as err:
+                raise OptionError("kv_type", str(err)) from None
         if self.prompt_math not in PROMPT_MATHS:
             raise OptionError("prompt_math", f"prompt_math takes {' or '.join(PROMPT_MATHS)}, not {self.prompt_math!r}.")
         if self.dtype is not None and not _is_compute_dtype(self.dtype):

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from layerplan.kv_cache import default_kv_type
 from localrun.engine_config import DEFAULT_PROMPT_MATH
 from localrun.gguf_file import GGUFModelFile
 from localrun.loader import file_weights, load_weights
@@ -38,12 +39,12 @@ def build_model(file: GGUFModelFile, *, n_ctx: int, dtype: torch.dtype, quantize
                 kv_type: str | None = None, prompt_math: str = DEFAULT_PROMPT_MATH) -> Transformer:
     """The Transformer of `file` placed by `device_map`, or by layerplan for `n_gpu_layers`
     ('auto', None or a number; all-CPU on a machine without a GPU), with the plan's KV budget
-    per device for the engine's pool. kv_type: the engine's (None: its default, 16 bits a value
-    for every compute dtype, as f16 plans). prompt_math: how quantized weights multiply prompt
+    per device for the engine's pool. kv_type: the engine's (None: the default for `dtype`,
+    layerplan.kv_cache.default_kv_type). prompt_math: how quantized weights multiply prompt
     rows (EngineConfig.prompt_math, model/gguf_weight.py)."""
     if device_map is None:
         device_map = plan_device_map(file.profile, n_gpu_layers, n_ctx=n_ctx, n_parallel=n_parallel,
-                                     kv_type=kv_type or "f16",   # the engine's default's bytes
+                                     kv_type=kv_type or default_kv_type(dtype),
                                      use_gpus=torch.cuda.is_available())
     if quantized:
         weights = file_weights(file)

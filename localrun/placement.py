@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from layerplan.kv_cache import DEFAULT_KV_TYPE
 from localrun.errors import OptionError, UserError
 
 HOST = "cpu"
@@ -77,14 +78,16 @@ def parse_layer_count(value, option: str = "n_gpu_layers") -> int | None:
     return n
 
 
-def plan_device_map(model, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1, kv_type: str = "f16",
+def plan_device_map(model, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1, kv_type: str = DEFAULT_KV_TYPE,
                     machine=None, use_gpus: bool = True) -> DeviceMap:
     """Ask layerplan where each layer goes on this machine (or `machine`), and what each
-    device's KV pool may take, as a DeviceMap. model: a ModelProfile (the header the loader
-    already read) or a .gguf path. use_gpus=False plans for the host alone (torch without CUDA)."""
+    device's KV pool may take, as a DeviceMap, sized with the engine's KV layouts (kv_type: the
+    engine's). model: a ModelProfile (the header the loader already read) or a .gguf path.
+    use_gpus=False plans for the host alone (torch without CUDA)."""
     import dataclasses
 
     import layerplan
+    from layerplan.kv_cache import LOCALRUN
     n = parse_layer_count(n_gpu_layers)
     profile = model if isinstance(model, layerplan.ModelProfile) else layerplan.profile_gguf(model)
     machine = machine or layerplan.probe_machine()
@@ -92,7 +95,7 @@ def plan_device_map(model, n_gpu_layers, *, n_ctx: int, n_parallel: int = 1, kv_
         machine = dataclasses.replace(machine, gpus=())
     try:
         plan = layerplan.plan(profile, machine, n_ctx=n_ctx, n_parallel=n_parallel,
-                              kv_type=kv_type or "f16", n_gpu_layers=n, with_sweep=False)
+                              kv_type=kv_type, n_gpu_layers=n, with_sweep=False, runtime=LOCALRUN)
     except ValueError as err:              # PlanError: e.g. layers pinned to a GPU that is not there
         raise UserError(str(err)) from None
     return device_map_from_plan(plan)

@@ -76,7 +76,8 @@ def predicted(path, n_gpu_layers: int, n_ctx: int, prompt_tokens: int, gen_token
     profile = engine_profile(path)
     machine = machine or layerplan.probe_machine()
     plan = layerplan.plan(profile, machine, n_ctx=n_ctx, n_parallel=1, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
-                          prompt_tokens=prompt_tokens, with_sweep=False, n_ubatch=EngineConfig().max_num_batched_tokens)
+                          prompt_tokens=prompt_tokens, with_sweep=False, n_ubatch=EngineConfig().max_num_batched_tokens,
+                          runtime="localrun")
     ledger = engine_ledger(plan, EngineOptions(dtype_bytes=4, kv_type=kv_type))
     speed = layerplan.predict(profile, machine, plan.placement, plan.settings, prompt_tokens=prompt_tokens,
                               decode_context=prompt_tokens + gen_tokens // 2, prompts_together=1)
@@ -106,7 +107,6 @@ def worker(path: str, label: str, n_gpu_layers: int, prompt_tokens: int, gen_tok
 
     from localrun import LLM, kernels
     from localrun.calibrate_engine import decode_step_seconds, prefill_seconds, timed_steps
-    from localrun.engine.paged_kv import default_kv_type
     from localrun.executor import release_free_memory
     from localrun.sampling_params import SamplingParams
     kernels.available()
@@ -133,7 +133,7 @@ def worker(path: str, label: str, n_gpu_layers: int, prompt_tokens: int, gen_tok
     host_used = _rss() - rss_before
     n_prompt, prefill_s = prefill_seconds(steps)
     prefill_tok_s, decode_tok_s = n_prompt / prefill_s, 1.0 / decode_step_seconds(steps, 1)
-    kv_type = llm.kv_type or default_kv_type(llm.dtype)
+    kv_type = llm.kv_type
     pred = predicted(path, n_gpu_layers, llm.n_ctx, len(ids), gen_tokens, kv_type)
     return {"model": label, "n_gpu_layers": n_gpu_layers, "plan": llm.plan_summary, "threads": llm.n_threads,
             "kv_type": kv_type, "load_s": round(load_s, 1), "prompt_tokens": len(ids),

@@ -26,7 +26,7 @@ def test_defaults_and_normalised_values():
     ({"n_gpu_layers": "most"}, "n_gpu_layers takes 'auto'"), ({"scheduling": "lifo"}, "scheduling takes fcfs"),
     ({"kv_watermark": 1.5}, "kv_watermark must be"), ({"output_reserve_tokens": -1}, "output_reserve_tokens"),
     ({"n_parallel": 64, "max_num_batched_tokens": 16}, "max_num_batched_tokens"),
-    ({"speculative": "self:two"}, "self:N"), ({"kv_type": "q8_0"}, "kv_type takes f32, bf16, f16, int8, fp8,"),
+    ({"speculative": "self:two"}, "self:N"), ({"kv_type": "q4_0"}, "kv_type takes f32, bf16, f16, int8, fp8,"),
     ({"kv_type": "F16"}, "kv_type takes"), ({"dtype": "float64"}, "dtype takes float32, bfloat16, float16,"),
     ({"dtype": "bf16"}, "dtype takes")])
 def test_each_option_is_checked_once_with_one_sentence(options, fragment):

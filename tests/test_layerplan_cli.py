@@ -72,7 +72,8 @@ def test_presets_and_several_gpus():
     (["plan", "llama2-7b", "-ngl", "many"], "takes 'auto' or a number"),
     (["plan", "llama2-7b", "--vram", "lots"], "not a size"),
     (["plan", "llama2-7b", "--gpu", "voodoo2"], "unknown GPU"),
-    (["plan", "llama2-7b", "--kv-type", "q3"], "unknown KV type"),
+    (["plan", "llama2-7b", "--kv-type", "q3"], "--kv-type takes f32, bf16, f16, int8, fp8, not 'q3'."),
+    (["plan", "llama2-7b", "--kv-type", "q3", "--emit", "llama-server"], "unknown KV type"),
     (["plan", "llama2-7b", "--emit", "ollama"], "--emit takes"),
     (["plan", "llama2-7b", "-ngl", "4", "--ram", "64GiB"], None),  # no GPU here, unless this machine has one
 ])

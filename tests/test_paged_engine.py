@@ -164,7 +164,7 @@ def test_quantized_kv_agrees_with_f32_kv(model, kv_type, max_kl, max_regret):
     f = fidelity(expected, got, margin=0.2)
     assert f.mean_kl <= max_kl and f.worst_regret <= max_regret and f.top1_confident >= 0.97, f
     # blocks of 4 here: int8's per-channel K scales cost 1 byte per element, so 1.53 bytes on average
-    per_element = paged_kv.kv_bytes_per_element(kv_type, head_dim=64, block_size=4)
+    per_element = cache.layout.bytes_per_token(1, 64, 64, block_size=4) / (2 * 64)
     assert cache.num_bytes == f32_cache.num_bytes / 4 * per_element < f32_cache.num_bytes / 2
 
 

@@ -85,7 +85,7 @@ def test_ledger_of_a_file_against_gguf_py(tiny_gguf):
     assert got["weights, copied"] == sum(int(t.n_elements) * 4 for t in vectors)
     # f16 K and V (the engine's default for a float32 model): 2 layers x 512 slots x 2 KV heads x (64 + 64) x 2 B
     assert got["KV pool (256 x 2 tokens)"] == 2 * 512 * 2 * 128 * 2
-    f32_kv = engine_ledger(plan, EngineOptions(kv_bytes_per_value=4))
+    f32_kv = engine_ledger(plan, EngineOptions(kv_type="f32"))
     assert f32_kv.device_bytes(0) - ledger.device_bytes(0) == 2 * 512 * 2 * 128 * 2
     n_merges = len(reader.fields["tokenizer.ggml.merges"].data)
     assert got["tokenizer (vocabulary and tables)"] == 320 * TOKENIZER_BYTES_PER_TOKEN + n_merges * TOKENIZER_BYTES_PER_MERGE
@@ -146,3 +146,11 @@ def test_plan_prints_and_carries_the_ledger(smollm2):
     assert {"weights, memory-mapped", "KV pool (1024 x 1 tokens)", "tokenizer (vocabulary and tables)"} <= parts
     table = CliRunner().invoke(app, ["plan", smollm2, "--ctx", "1024"], catch_exceptions=False).output
     assert "Memory ledger" in table and "file-backed" in table
+
+
+def test_the_kernels_multiply_the_types_the_ledger_maps():
+    """localrun's kernels take their types from ENGINE_KERNEL_TYPES, under gguf's ids."""
+    from layerplan.ledger import ENGINE_KERNEL_TYPES
+    from localrun import kernels
+    assert {name.lower() for name in kernels.KERNEL_TYPES} == ENGINE_KERNEL_TYPES
+    assert all(gguf.GGMLQuantizationType[name] == type_id for name, type_id in kernels.KERNEL_TYPES.items())

@@ -19,8 +19,8 @@ ModelArg = typer.Argument(None, help="A .gguf path or a catalog name (default: s
 CtxOpt = typer.Option(None, "--ctx", "-c", help="Context size in tokens per sequence (default: min(trained, 4096)).")
 ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: the tuned profile's, else "
                           "the physical cores).")
-KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8, fp8 (default: f16 for "
-                         "float32 models, else the compute dtype).")
+KvTypeOpt = typer.Option(None, "--kv-type", help="KV cache type: f32, bf16, f16, int8 (llama.cpp's q8_0), fp8 "
+                         "(default: f16 for float32 models, else the compute dtype).")
 PromptMathOpt = typer.Option(DEFAULT_PROMPT_MATH, "--prompt-math", help="Prompt rows times quantized weights: int8 "
                              "(activations rounded to 8 bits, as decode rows and llama.cpp; faster) or float32 "
                              "(the exact model, for evaluation).")

@@ -57,8 +57,9 @@ def plan(
     parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoding together, each "
                                                     "with --ctx tokens of KV cache [default: 1].",
                                                     show_default=False)] = None,
-    kv_type: Annotated[Optional[str], typer.Option("--kv-type", help="KV cache type: f16, bf16, q8_0 (int8), fp8, "
-                                                   "q4_0, ... [default: f16].", show_default=False)] = None,
+    kv_type: Annotated[Optional[str], typer.Option("--kv-type", help="KV cache type: f32, bf16, f16, int8 (q8_0), "
+                                                   "fp8 [default: f16]; with --emit, also llama.cpp's q4_0, q5_1, ...",
+                                                   show_default=False)] = None,
     prefer: Annotated[Optional[str], typer.Option("--prefer", help="Take the menu's entry with the best: speed, "
                                                   "context or parallel (of what --ctx, --kv-type and --parallel "
                                                   "leave free).", show_default=False)] = None,
@@ -84,6 +85,7 @@ def plan(
     import layerplan
     from layerplan import calibrate
     from layerplan.frontier import PREFERENCES, plan_menu
+    from layerplan.kv_cache import LLAMA_CPP, LOCALRUN, engine_kv_type
     from layerplan.units import parse_bytes
 
     from localrun.engine_build import engine_build
@@ -98,6 +100,14 @@ def plan(
     n_gpu_layers = parse_layer_count(gpu_layers)
     n_cpu_moe = parse_layer_count(cpu_moe, "n_cpu_moe")
     profile = load_profile(model)
+    # a plan for localrun's engine sizes its KV layouts and takes its KV types; one for another
+    # runtime (--emit, or a MoE model, which the engine does not run) sizes llama.cpp's
+    runtime = LLAMA_CPP if emit is not None or profile.is_moe else LOCALRUN
+    if runtime == LOCALRUN and kv_type is not None:
+        try:
+            kv_type = engine_kv_type(kv_type, option="--kv-type")
+        except ValueError as err:
+            raise UserError(str(err)) from None
     try:
         local = layerplan.build_machine()
         # this model's engine figures, where timed with the kernels this localrun runs
@@ -122,16 +132,15 @@ def plan(
         machine = layerplan.build_machine(vram=vram, gpu=gpu, ram=ram, calibration=calibration)
         result = plan_menu(profile, machine, preference=prefer, n_ctx=ctx, n_parallel=parallel, kv_type=kv_type,
                            n_ubatch=batch, margin_bytes=parse_bytes(margin), n_gpu_layers=n_gpu_layers,
-                           kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens, n_cpu_moe=n_cpu_moe)
+                           kv_offload=not no_kv_offload, prompt_tokens=prompt_tokens, n_cpu_moe=n_cpu_moe,
+                           runtime=runtime)
     except ValueError as err:  # PlanError, bad sizes, unknown presets or KV types
         raise UserError(str(err)) from None
     from dataclasses import replace
 
-    from layerplan.ledger import EngineOptions, engine_kv_type, engine_ledger
+    from layerplan.ledger import engine_ledger
     from layerplan.threads import advise_threads
-    engine_kv = engine_kv_type(result.settings.kv_type)
-    # the engine does not run MoE models, nor KV types it has no layout for
-    ledger = None if profile.is_moe or engine_kv is None else engine_ledger(result, EngineOptions(kv_type=engine_kv))
+    ledger = engine_ledger(result) if runtime == LOCALRUN else None
     result = replace(result, threads=advise_threads(), ledger=ledger)
 
     if emit == "llama-server":

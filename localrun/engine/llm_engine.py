@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -21,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from layerplan.kv_cache import num_window_blocks
-from localrun.engine.block_manager import BlockManager, kv_bytes_per_token
+from layerplan.kv_cache import default_kv_type, num_window_blocks
+from localrun.engine.block_manager import BlockManager
 from localrun.engine.disk_cache import DiskCacheConfig, DiskKVCache, compute_signature, namespace
 from localrun.engine.model_runner import ModelRunner
-from localrun.engine.paged_kv import PagedKVCache, check_kv_type, default_kv_type, kv_bytes_per_element
+from localrun.engine.paged_kv import PagedKVCache, pool_layout
 from localrun.engine.ram_cache import HostKVCache, default_ram_bytes
 from localrun.engine.scheduler import Scheduler
 from localrun.engine.sequence import Sequence, SequenceStatus
@@ -101,7 +102,8 @@ class LLMEngine:
         max_num_batched_tokens, max_model_len = c.max_num_batched_tokens, c.n_ctx
         enable_prefix_caching, ram_cache_bytes = c.enable_prefix_caching, c.cache_ram
         config = model.config
-        kv_type = check_kv_type(kv_type or default_kv_type(model.dtype))
+        layout = pool_layout(kv_type or default_kv_type(model.dtype))    # EngineConfig checked the name
+        kv_type = layout.name
         max_positions = model.freqs.shape[0]
         self.max_model_len = max_model_len or max_positions
         if self.max_model_len > max_positions:
@@ -110,18 +112,17 @@ class LLMEngine:
         if block_size < 1:
             raise UserError(f"block_size must be at least 1, got {block_size}.")
         devices = [layer.attention.wqkv.device for layer in model.layers]
-        element_bytes = kv_bytes_per_element(kv_type, config.head_dim, block_size)
+        # one token's K and V in one layer, scales included: the layout layerplan plans with
+        layer_token_bytes = layout.bytes_per_token(config.n_head_kv, config.head_dim, config.head_dim, block_size)
         # sliding-window layers keep their KV in a pool of their own, sized by the window
         # (localrun/engine/window_blocks.py); the rest grows with the context
         self.num_local_blocks = (num_window_blocks(config.sliding_window, block_size, max_num_seqs,
                                                    max_num_batched_tokens) if config.local_layers else 0)
-        self.local_pool_bytes = self.num_local_blocks * block_size * kv_bytes_per_token(
-            config.num_local_layers, config.n_head_kv, config.head_dim, element_bytes)
+        self.local_pool_bytes = math.ceil(self.num_local_blocks * block_size * config.num_local_layers
+                                          * layer_token_bytes)
         if kv_budget_bytes is not None and self.local_pool_bytes:
             kv_budget_bytes = max(0, kv_budget_bytes - self.local_pool_bytes)
-        self.bytes_per_token = kv_bytes_per_token(config.n_layers - config.num_local_layers, config.n_head_kv,
-                                                  config.head_dim, element_bytes)
-        layer_token_bytes = kv_bytes_per_token(1, config.n_head_kv, config.head_dim, element_bytes)
+        self.bytes_per_token = math.ceil((config.n_layers - config.num_local_layers) * layer_token_bytes)
         local = config.local_layers or (False,) * config.n_layers
 
         def reserved(device: str) -> int:     # the sliding-window pool's bytes on `device`

@@ -13,7 +13,8 @@ through the block table can replace `PagedKVCache.gather` without touching the l
 fast path exists already: float K/V of a sequence whose blocks are consecutive are returned
 as a slice of the pool (no copy), as the contiguous cache does.
 
-KV types (`kv_type`): "f32", "bf16", "f16" store values as they are. "fp8" (float8_e4m3fn)
+KV types (`kv_type`, laid out as layerplan.kv_cache.ENGINE_KV says, which plans size with): "f32",
+"bf16", "f16" store values as they are. "fp8" (float8_e4m3fn)
 and "int8" quantize on write and dequantize into the compute dtype on read: fp8 K and V, and
 int8 V, with one float32 scale per 32 values of a token's head, as llama.cpp's q8_0 blocks
 (absmax / 448 or / 127; SmolLM2 int8 top-1 vs f16 KV 99.3%, 99.0% with one scale per head); int8 K with one
@@ -43,33 +44,18 @@ from typing import NamedTuple
 
 import torch
 
-from layerplan.kv_cache import (ENGINE_KV_TYPES, ENGINE_SCALE_BYTES, ENGINE_SCALE_GROUP, engine_kv_bytes_per_value,
-                                engine_scale_group)
+from layerplan.kv_cache import ENGINE_KV, ENGINE_SCALE_GROUP, EngineKVType, engine_kv, engine_scale_group
 from localrun import kernels
 from localrun.errors import UserError
 
 FLOAT_KV_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-KV_TYPES = ENGINE_KV_TYPES
-assert set(FLOAT_KV_TYPES) <= set(KV_TYPES)
+assert all(ENGINE_KV[name].code_bytes == dtype.itemsize and not ENGINE_KV[name].quantized
+           for name, dtype in FLOAT_KV_TYPES.items())
 INT8_MAX = 127.0
 MIN_SCALE = 1e-12               # an all-zero vector still gets a usable scale
-# the layouts' sizes are written down once, in layerplan (which plans with them)
-SCALE_BYTES = ENGINE_SCALE_BYTES                # scales are float32
+# the layouts are written down once, in layerplan (which plans with them)
 SCALE_GROUP = ENGINE_SCALE_GROUP                # values per scale along head_dim for per-token scales
 scale_group = engine_scale_group
-
-
-def default_kv_type(compute_dtype: torch.dtype) -> str:
-    """f16 for a float32 model, as llama.cpp and layerplan default: half the bytes of f32, so
-    twice the context or sequences per byte, and the paged kernel reads it in place (faster
-    from about a thousand tokens of context on, where the KV reads dominate). A 16-bit model
-    stores what it computes. `kv_type="f32"` keeps a float32 model's KV exact."""
-    if compute_dtype == torch.float32:
-        return "f16"
-    for name, dtype in FLOAT_KV_TYPES.items():
-        if dtype == compute_dtype:
-            return name
-    raise UserError(f"No KV type matches the compute dtype {compute_dtype}; pass kv_type explicitly.")
 
 
 def fp8_dtype() -> torch.dtype | None:
@@ -84,18 +70,14 @@ def fp8_dtype() -> torch.dtype | None:
     return dtype
 
 
-def check_kv_type(kv_type: str) -> str:
-    if kv_type not in KV_TYPES:
-        raise UserError(f"Unknown kv_type {kv_type!r}; choose one of {', '.join(KV_TYPES)}.")
-    if kv_type == "fp8" and fp8_dtype() is None:
+def pool_layout(kv_type: str) -> EngineKVType:
+    """The layout of the engine's KV type `kv_type` (one EngineConfig checked), where this torch can
+    store it: fp8 needs torch.float8_e4m3fn."""
+    layout = engine_kv(kv_type)
+    if layout.name == "fp8" and fp8_dtype() is None:
         raise UserError(f"kv_type 'fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
                         f"does not support here; use 'int8' instead.")
-    return kv_type
-
-
-def kv_bytes_per_element(kv_type: str, head_dim: int, block_size: int) -> float:
-    """Bytes one K or V element costs on average in the pool, scales included."""
-    return engine_kv_bytes_per_value(check_kv_type(kv_type), head_dim, block_size)
+    return layout
 
 
 class WriteTarget(NamedTuple):
@@ -277,33 +259,31 @@ class PagedKVCache:
                  head_dim: int, kv_type: str, compute_dtype: torch.dtype,
                  devices: list[torch.device] | None = None, slice_fast_path: bool = True,
                  local_layers: tuple[bool, ...] = (), num_local_blocks: int = 0, sliding_window: int | None = None):
-        self.kv_type = check_kv_type(kv_type)
+        self.layout = layout = pool_layout(kv_type)
+        self.kv_type = layout.name
         # a sequence whose blocks are consecutive reads its float K/V as a view (no gather)
-        self.slice_fast_path = slice_fast_path and kv_type in FLOAT_KV_TYPES
+        self.slice_fast_path = slice_fast_path and not layout.quantized
         self.num_blocks, self.block_size = num_blocks, block_size
         self.compute_dtype = compute_dtype
         self.devices = list(devices) if devices is not None else [torch.device("cpu")] * n_layers
         assert len(self.devices) == n_layers
-        shape = (num_blocks, block_size, n_head_kv, head_dim)
-
-        def store(is_key: bool, device: torch.device) -> PlainStore:
-            if kv_type in FLOAT_KV_TYPES:
-                return PlainStore(*shape, FLOAT_KV_TYPES[kv_type], device)
-            if kv_type == "int8" and is_key:
-                return ChannelScaledStore(*shape, device)
-            return TokenScaledStore(*shape, kv_type, device)
-
         self.local_layers = tuple(local_layers) if num_local_blocks and sliding_window else ()
         self.num_local_blocks, self.sliding_window = num_local_blocks, sliding_window
 
+        def store(scales: str | None, n_blocks: int, device: torch.device) -> PlainStore:
+            """One layer's K or V as the layout says: values as they are, or codes with a scale per
+            32 values of a token's head ("token") or per block per channel ("block")."""
+            shape = (n_blocks, block_size, n_head_kv, head_dim)
+            if scales is None:
+                return PlainStore(*shape, FLOAT_KV_TYPES[layout.name], device)
+            if scales == "block":
+                assert layout.name == "int8", layout
+                return ChannelScaledStore(*shape, device)
+            return TokenScaledStore(*shape, layout.name, device)
+
         def layer_stores(layer: int, device: torch.device):
-            if self.is_local(layer):
-                local = (num_local_blocks, block_size, n_head_kv, head_dim)
-                if kv_type in FLOAT_KV_TYPES:
-                    return PlainStore(*local, FLOAT_KV_TYPES[kv_type], device), PlainStore(*local, FLOAT_KV_TYPES[kv_type], device)
-                k = ChannelScaledStore(*local, device) if kv_type == "int8" else TokenScaledStore(*local, kv_type, device)
-                return k, TokenScaledStore(*local, kv_type, device)
-            return store(True, device), store(False, device)
+            n_blocks = num_local_blocks if self.is_local(layer) else num_blocks
+            return store(layout.key_scales, n_blocks, device), store(layout.value_scales, n_blocks, device)
 
         self.layers = [layer_stores(i, device) for i, device in enumerate(self.devices)]
         self._named_block_tensors: dict[str, torch.Tensor] | None = None
@@ -321,7 +301,7 @@ class PagedKVCache:
     @property
     def quantized(self) -> bool:
         """Whether values are stored as codes with scales (int8, fp8)."""
-        return self.kv_type not in FLOAT_KV_TYPES
+        return self.layout.quantized
 
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A quantized layer's K and V scales, as the paged kernel reads them."""

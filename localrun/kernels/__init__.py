@@ -34,10 +34,14 @@ from pathlib import Path
 
 import torch
 
+from layerplan.ggml_types import GGML_TYPES_BY_NAME
+from layerplan.ledger import ENGINE_KERNEL_TYPES
 from localrun.kernels.build import BuildError, build, library_path
 
-# GGML type ids with a kernel (gguf's GGMLQuantizationType values)
-KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# GGML type ids with a kernel (gguf's GGMLQuantizationType values), by name ("Q4_0": 2): the types
+# layerplan's ledger counts as multiplied in place, written down there (torch-free)
+KERNEL_TYPES = {name.upper(): GGML_TYPES_BY_NAME[name].id
+                for name in sorted(ENGINE_KERNEL_TYPES, key=lambda name: GGML_TYPES_BY_NAME[name].id)}
 # Set in a type passed to qmatmul: multiply in the lane layout (eight weight rows side by side;
 # localrun/model/gguf_weight.py: lane_types): AVX2 and AVX-512 give the same bits (Q8_0 has
 # lanes on AVX-512 only); the scalar reference has the row layout only.
