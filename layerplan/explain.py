@@ -3,17 +3,14 @@ cannot fit."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from layerplan.candidates import Candidate, best_candidate, candidates, max_context
 from layerplan.devices import Machine
 from layerplan.kv_cache import LLAMA_CPP, LOCALRUN, kv_spec
 from layerplan.model_profile import ModelProfile
 from layerplan.placement import DeviceUsage, place
 from layerplan.settings import PlanSettings
 from layerplan.units import format_bytes as fb
-
-if TYPE_CHECKING:
-    from layerplan.planner import Candidate
 
 SMALLER_KV = {LLAMA_CPP: "q8_0", LOCALRUN: "int8"}   # the 8-bit KV type a fix names, in each runtime's words
 
@@ -68,7 +65,6 @@ def _smaller_kv_fits(profile: ModelProfile, machine: Machine, settings: PlanSett
 
 def explain_auto(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands: list["Candidate"],
                  chosen: "Candidate") -> list[str]:
-    from layerplan.planner import best_candidate, candidates
 
     n, k = profile.n_layers, chosen.n_gpu_layers
     usage, speed = chosen.placement.usage, chosen.predicted.decode_tok_s
@@ -127,7 +123,6 @@ def moe_flag(profile: ModelProfile, n_cpu_moe: int) -> str:
 def explain_moe(profile: ModelProfile, machine: Machine, settings: PlanSettings, cands: list["Candidate"],
                 chosen: "Candidate") -> list[str]:
     """All layers on the GPU with the routed experts of the first N layers in host memory."""
-    from layerplan.planner import best_candidate
 
     n, k = profile.n_layers, chosen.n_cpu_moe
     host = chosen.placement.host
@@ -180,7 +175,6 @@ def explain_pinned(profile: ModelProfile, machine: Machine, settings: PlanSettin
 
 
 def _max_ctx_below(profile: ModelProfile, machine: Machine, settings: PlanSettings, n_gpu_layers: int) -> int:
-    from layerplan.planner import max_context
 
     return max_context(profile, machine, settings, n_gpu_layers, limit=settings.n_ctx - 1) if settings.n_ctx > 1 else 0
 

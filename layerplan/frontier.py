@@ -83,7 +83,7 @@ def best_entry(profile: ModelProfile, machine: Machine, settings: PlanSettings, 
                decode_context: int | None = None) -> MenuEntry | None:
     """The placement `--gpu-layers auto` would choose at these settings (only fitting placements are
     predicted), as a menu entry; None when nothing fits."""
-    from layerplan.planner import TIE as PLAN_TIE
+    from layerplan.candidates import TIE as PLAN_TIE
 
     sizes, n = LayerSizes(profile, settings), profile.n_layers
     top = n + 1 if machine.gpus else 0

@@ -35,7 +35,3 @@ def format_bytes(n: float) -> str:
             return f"{sign}{value:.3g} {unit}" if value < 100 else f"{sign}{value:.0f} {unit}"
     return f"{sign}{n:.0f} B"
 
-
-def format_tokens(n: int) -> str:
-    """16384 -> '16k', 131072 -> '128k', 1000 -> '1000'."""
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)

@@ -181,12 +181,6 @@ class Rounds:
         return max(first, last) / min(first, last) - 1.0
 
 
-def best_quiet(take, repeats: int, wait_s: float = QUIET_WAIT_S,
-               typical: bool = False) -> tuple[tuple[float, ...], float | None, bool]:
-    """Rounds(...).result(): a timing's rounds taken one after the other."""
-    return Rounds(take, repeats, wait_s, typical).result()
-
-
 class _Engine:
     """One engine built as `localrun.LLM` builds it, running the model's first n_layers (None: all)."""
 

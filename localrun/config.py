@@ -71,11 +71,6 @@ class ModelConfig:
         None if it is usable. Checked on first use only, so `generate` never renders it."""
         return check_template(self.chat_template) if self.chat_template is not None else None
 
-    @property
-    def n_rep(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.n_head // self.n_head_kv
-
     @classmethod
     def from_header(cls, header: GGUFHeader, tensors: dict) -> "ModelConfig":
         """tensors: name -> TensorInfo of the same file. Every value the model divides by or

@@ -55,15 +55,6 @@ def all_on(device: str, n_layers: int) -> DeviceMap:
                      summary=f"plan: all {n_layers} layers and the output head on {device}")
 
 
-def split_map(n_layers: int, first_group_layers: int, devices: tuple[str, str] = (HOST, HOST)) -> DeviceMap:
-    """The first `first_group_layers` layers in group 0 on devices[0], the rest and the head in
-    group 1 on devices[1] (the embedding stays on the host): a two-group map for tests and tuning."""
-    k = first_group_layers
-    return DeviceMap((devices[0],) * k + (devices[1],) * (n_layers - k), (0,) * k + (1,) * (n_layers - k),
-                     devices[1], 1, summary=f"plan: layers 0-{k - 1} on {devices[0]}, "
-                     f"layers {k}-{n_layers - 1} and the output head on {devices[1]}")
-
-
 def parse_layer_count(value, option: str = "n_gpu_layers") -> int | None:
     """'auto' or None -> None (layerplan chooses); a number -> that number (>= 0). The one parser
     of a layer count: n_gpu_layers (--gpu-layers of every command) and plan's n_cpu_moe."""

@@ -7,8 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from localrun.engine.block_manager import (BlockManager, hash_block, kv_bytes_per_token,
-                                           num_blocks_for_budget, slot_mapping)
+from localrun.engine.block_manager import BlockManager, hash_block, slot_mapping
 from localrun.engine.sequence import Sequence
 
 
@@ -34,13 +33,6 @@ def admit(bm, seq):
 def test_slot_mapping_hand_computed():
     # block size 4, table [7, 2, 5]: position p -> table[p // 4] * 4 + p % 4
     assert slot_mapping([7, 2, 5], 4, 2, 8) == [30, 31, 8, 9, 10, 11, 20, 21]
-
-
-def test_kv_budget_smollm2_f16():
-    # 30 layers * 3 KV heads * 64 dims * 2 (K and V) * 2 bytes = 23,040 bytes per token
-    assert kv_bytes_per_token(30, 3, 64, 2) == 23_040
-    # one 16-token block is 368,640 bytes; 1 GiB holds 2,912 of them (2,913 would be 1,073,848,320)
-    assert num_blocks_for_budget(1 << 30, 23_040, 16) == 2912
 
 
 def test_hash_is_chained_stable_and_pinned():

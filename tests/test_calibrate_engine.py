@@ -9,7 +9,7 @@ import pytest
 from layerplan import calibrate, quiet
 from layerplan.devices import Device, Machine
 from localrun import calibrate_engine
-from localrun.calibrate_engine import (best_quiet, decode_step_seconds, measure_engine, prefill_seconds,
+from localrun.calibrate_engine import (Rounds, decode_step_seconds, measure_engine, prefill_seconds,
                                        synthetic_prompt, timed_steps)
 
 
@@ -58,19 +58,19 @@ def test_the_fastest_quiet_repeat_counts(fake_quiet):
     fake_quiet.cores_seen = [0.0, 0.9, 0.1, 0.0]
     values = iter([(3.0, 5.0), (1.0, 1.0), (2.0, 6.0), (9.0, 9.0)])
     # the 1.0 came while another process used 0.9 cores: not trusted; two quiet repeats end it
-    assert best_quiet(lambda i: next(values), repeats=2) == ((2.0, 5.0), 0.1, True)
+    assert Rounds(lambda i: next(values), repeats=2).result() == ((2.0, 5.0), 0.1, True)
 
 
 def test_a_typical_timing_is_the_median_of_the_quiet_repeats(fake_quiet):
     fake_quiet.cores_seen = [0.0, 0.9, 0.0, 0.1]
     values = iter([(3.0,), (0.5,), (1.0,), (2.0,)])
-    assert best_quiet(lambda i: next(values), repeats=3, typical=True) == ((2.0,), 0.1, True)
+    assert Rounds(lambda i: next(values), repeats=3, typical=True).result() == ((2.0,), 0.1, True)
 
 
 def test_without_a_quiet_repeat_the_fastest_counts_and_says_so(fake_quiet):
     fake_quiet.cores_seen = [0.5, 0.7]
     values = iter([(3.0,), (2.0,)])
-    assert best_quiet(lambda i: next(values), repeats=1) == ((2.0,), 0.7, False)
+    assert Rounds(lambda i: next(values), repeats=1).result() == ((2.0,), 0.7, False)
 
 
 def test_measure_engine_end_to_end_on_a_tiny_model(tiny_gguf, monkeypatch, capsys):
@@ -211,7 +211,7 @@ def test_a_plan_on_a_suspect_calibration_says_why_in_its_source():
     assert loaded.host.source.endswith("suspect: taken under load")
 
 
-def test_rounds_taken_between_other_work_give_what_best_quiet_gives(fake_quiet):
+def test_rounds_taken_between_other_work_give_what_rounds_in_a_row_give(fake_quiet):
     fake_quiet.cores_seen = [0.0, 0.9, 0.1, 0.0]
     values = iter([(3.0, 5.0), (1.0, 1.0), (2.0, 6.0), (9.0, 9.0)])
     rounds = calibrate_engine.Rounds(lambda i: next(values), repeats=2)

@@ -10,9 +10,19 @@ import layerplan
 from localrun.api import LLM
 from localrun.errors import UserError
 from localrun.model.llama import Transformer
-from localrun.placement import all_on, device_map_from_plan, parse_layer_count, plan_device_map, split_map
+from localrun.placement import HOST, DeviceMap, all_on, device_map_from_plan, parse_layer_count, plan_device_map
 
 IDS = [5, 77, 300, 12, 12, 199, 3, 250, 41, 8, 160, 90, 17, 311, 64, 2]
+
+
+def split_map(n_layers: int, first_group_layers: int, devices: tuple[str, str] = (HOST, HOST)) -> DeviceMap:
+    """The first `first_group_layers` layers in group 0 on devices[0], the rest and the head in
+    group 1 on devices[1] (the embedding stays on the host): a two-group map."""
+    k = first_group_layers
+    return DeviceMap((devices[0],) * k + (devices[1],) * (n_layers - k), (0,) * k + (1,) * (n_layers - k),
+                     devices[1], 1, summary=f"plan: layers 0-{k - 1} on {devices[0]}, "
+                     f"layers {k}-{n_layers - 1} and the output head on {devices[1]}")
+
 
 
 def test_parse_layer_count():

@@ -26,7 +26,6 @@ the window its next query reads.
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -34,17 +33,6 @@ from typing import Protocol
 
 from localrun.engine.sequence import Sequence
 from localrun.engine.window_blocks import WindowBlocks
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       bytes_per_element: float) -> int:
-    """Bytes of K and V that one token occupies over all layers."""
-    return math.ceil(2 * num_layers * num_kv_heads * head_dim * bytes_per_element)
-
-
-def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_token: int, block_size: int = 16) -> int:
-    """How many whole blocks fit in a KV byte budget."""
-    return kv_budget_bytes // (bytes_per_token * block_size)
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:

@@ -120,10 +120,6 @@ class EngineLoop:
         self._wake.set()
         return True
 
-    @property
-    def num_queued(self) -> int:
-        return self._num_queued
-
     def queue_full(self) -> bool:
         return self.max_queue is not None and self._num_queued >= self.max_queue
 
