@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from layerplan import quiet
+from layerplan.home import localrun_home
 from layerplan.devices import Device, Machine
 
 CALIBRATION_FILE = "calibration.json"   # the latest calibration of this machine, whatever model timed its engine
@@ -151,8 +152,7 @@ class Calibration:
 
 
 def default_cache_dir() -> Path:
-    home = os.environ.get("LOCALRUN_HOME") or Path.home() / ".cache" / "localrun"
-    return Path(home).expanduser() / "layerplan"
+    return localrun_home() / "layerplan"
 
 
 def _cpu_model() -> str:

@@ -20,6 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerplan.home import localrun_home
 from localrun.errors import UserError
 
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog.json"     # package data (docs/catalog.md)
@@ -46,10 +47,6 @@ class CatalogEntry:
     @property
     def filename(self) -> str:
         return Path(self.member).name
-
-
-def localrun_home() -> Path:
-    return Path(os.environ.get("LOCALRUN_HOME") or Path.home() / ".cache" / "localrun").expanduser().resolve()
 
 
 def models_dir() -> Path:

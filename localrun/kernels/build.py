@@ -17,6 +17,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from layerplan.home import localrun_home
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden",
                 "-Wno-unused-parameter", "-Wno-ignored-attributes"]
@@ -62,8 +64,7 @@ def library_path(csrc: Path = CSRC) -> Path:
     local = CSRC.parent / "_build"
     if os.access(CSRC.parent, os.W_OK):
         return local / _key(csrc) / "liblocalrun_kernels.so"
-    home = Path(os.environ.get("LOCALRUN_HOME", Path.home() / ".cache" / "localrun"))
-    return home / "kernels" / _key(csrc) / "liblocalrun_kernels.so"
+    return localrun_home() / "kernels" / _key(csrc) / "liblocalrun_kernels.so"
 
 
 def build(quiet: bool = False, csrc: Path = CSRC) -> Path:
